@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - create .venv, install, train on the generated demo data (2 CPU processes)
+#   make test   - create .venv, install, run the test suite
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 train_multi_gpu_using_launch.py \
+		--device cpu --model resnet18 --img-size 64 --batch-size 16 --lr 0.005 --epochs 6 \
+		--output-dir runs/demo --resume none
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmark.py
+
+clean:
+	rm -rf runs .pytest_cache

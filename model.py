@@ -1,0 +1,398 @@
+"""ResNet and ResNeXt image classifiers.
+
+One :class:`ResNet` class builds every depth; the depth is data (blocks per stage, e.g.
+``[3, 4, 6, 3]`` for ResNet-50) and the residual block type (:class:`BasicBlock` or
+:class:`Bottleneck`). Module names, parameter shapes and the forward pass match
+``torchvision.models`` exactly, so torchvision's ImageNet weights load with ``strict=True`` and
+give the same outputs. Downloading weights is left to the caller, e.g.::
+
+    import torchvision
+
+    model = resnet50()
+    model.load_state_dict(torchvision.models.resnet50(weights="IMAGENET1K_V2").state_dict())
+
+Pick a model by name (this is what ``--model`` in the training script uses)::
+
+    model = get_model("resnet50", num_classes=5)                   # (N, 3, H, W) -> (N, 5)
+    backbone = get_model("resnet50", include_top=False)            # (N, 3, H, W) -> (N, 2048, H/32, W/32)
+    gn = get_model("resnet18", norm_layer=lambda c: nn.GroupNorm(32, c))  # no BatchNorm at all
+
+For multi-GPU training with small per-GPU batches, convert BatchNorm after building with
+``nn.SyncBatchNorm.convert_sync_batchnorm(model)`` rather than passing a norm layer here.
+
+Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs/1611.05431.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "MODELS",
+    "BasicBlock",
+    "Bottleneck",
+    "ResNet",
+    "get_model",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnext50_32x4d",
+    "resnext101_32x8d",
+]
+
+NormLayer = Callable[[int], nn.Module]
+
+
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1, groups: int = 1, dilation: int = 1) -> nn.Conv2d:
+    """3x3 convolution without bias; padding equals dilation so stride 1 keeps H and W."""
+    return nn.Conv2d(
+        in_planes,
+        out_planes,
+        kernel_size=3,
+        stride=stride,
+        padding=dilation,
+        groups=groups,
+        bias=False,
+        dilation=dilation,
+    )
+
+
+def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    """1x1 convolution without bias (the following norm layer supplies the shift)."""
+    return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions plus a shortcut, used by ResNet-18/34.
+
+    ``(N, inplanes, H, W) -> (N, planes, H / stride, W / stride)``.
+    """
+
+    # Output channels = planes * expansion; the stage builder needs it before a block exists.
+    expansion: int = 1
+
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: Optional[nn.Module] = None,
+        groups: int = 1,
+        base_width: int = 64,
+        dilation: int = 1,
+        norm_layer: NormLayer = nn.BatchNorm2d,
+    ) -> None:
+        super().__init__()
+        if groups != 1 or base_width != 64:
+            raise ValueError(
+                f"BasicBlock supports only groups=1 and width_per_group=64, got groups={groups} and "
+                f"width_per_group={base_width}; use a Bottleneck model (resnet50 or deeper) for ResNeXt widths."
+            )
+        if dilation > 1:
+            raise ValueError(
+                f"BasicBlock does not support dilation (got dilation={dilation}); "
+                "use replace_stride_with_dilation only with Bottleneck models (resnet50 or deeper)."
+            )
+        # The first conv carries the stride; `downsample` strides the shortcut to match.
+        self.conv1 = conv3x3(inplanes, planes, stride)
+        self.bn1 = norm_layer(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = conv3x3(planes, planes)
+        self.bn2 = norm_layer(planes)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(N, inplanes, H, W) -> (N, planes, H / stride, W / stride)``."""
+        identity = x if self.downsample is None else self.downsample(x)
+
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+
+        out += identity
+        return self.relu(out)
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (grouped for ResNeXt), 1x1 expand, plus a shortcut; ResNet-50 and deeper.
+
+    ``(N, inplanes, H, W) -> (N, planes * 4, H / stride, W / stride)``.
+
+    The stride sits on the 3x3 convolution, not on the first 1x1 as in the original paper. This
+    "ResNet V1.5" variant is what torchvision's weights were trained with and is about 0.5% top-1
+    more accurate (https://ngc.nvidia.com/catalog/model-scripts/nvidia:resnet_50_v1_5_for_pytorch):
+    a strided 1x1 convolution simply skips 3/4 of its input positions, a strided 3x3 does not.
+    """
+
+    expansion: int = 4
+
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: Optional[nn.Module] = None,
+        groups: int = 1,
+        base_width: int = 64,
+        dilation: int = 1,
+        norm_layer: NormLayer = nn.BatchNorm2d,
+    ) -> None:
+        super().__init__()
+        # ResNeXt keeps FLOPs comparable by splitting a wider 3x3 into `groups` paths of
+        # `base_width` channels each (per 64 planes); groups=1, base_width=64 is plain ResNet.
+        width = int(planes * (base_width / 64.0)) * groups
+        if width < 1:
+            raise ValueError(
+                f"Bottleneck width is {width} for planes={planes}, groups={groups}, "
+                f"width_per_group={base_width}; increase width_per_group."
+            )
+        self.conv1 = conv1x1(inplanes, width)
+        self.bn1 = norm_layer(width)
+        self.conv2 = conv3x3(width, width, stride, groups, dilation)
+        self.bn2 = norm_layer(width)
+        self.conv3 = conv1x1(width, planes * self.expansion)
+        self.bn3 = norm_layer(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(N, inplanes, H, W) -> (N, planes * 4, H / stride, W / stride)``."""
+        identity = x if self.downsample is None else self.downsample(x)
+
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+
+        out += identity
+        return self.relu(out)
+
+
+Block = Union[type[BasicBlock], type[Bottleneck]]
+
+
+class ResNet(nn.Module):
+    """Stem, four residual stages and (optionally) a pooled linear classifier.
+
+    With ``include_top=True``: ``(N, 3, H, W) -> (N, num_classes)`` logits.
+    With ``include_top=False``: ``(N, 3, H, W) -> (N, num_features, H / 32, W / 32)`` feature map
+    (rounded up; ``H / 16`` or ``H / 8`` when strides are replaced with dilation), where
+    ``num_features`` is 512 for BasicBlock models and 2048 for Bottleneck models.
+
+    Args:
+        block: residual block class, :class:`BasicBlock` or :class:`Bottleneck`.
+        layers: number of blocks in each of the four stages, e.g. ``[3, 4, 6, 3]``.
+        num_classes: size of the classifier output.
+        include_top: build the global average pool and ``fc`` layer; without them the model is a
+            backbone returning the last feature map.
+        zero_init_residual: start each residual branch's last norm layer at zero so every block
+            begins as an identity; +0.2-0.3% top-1 per https://arxiv.org/abs/1706.02677.
+        groups: ResNeXt cardinality of the 3x3 convolutions (Bottleneck only).
+        width_per_group: channels per group per 64 planes (Bottleneck only).
+        replace_stride_with_dilation: three flags for stages 2-4; ``True`` keeps that stage's
+            resolution and dilates its convolutions instead (for dense prediction; Bottleneck only).
+        norm_layer: called as ``norm_layer(num_channels)``; e.g. ``lambda c: nn.GroupNorm(32, c)``.
+    """
+
+    def __init__(
+        self,
+        block: Block,
+        layers: list[int],
+        num_classes: int = 1000,
+        include_top: bool = True,
+        zero_init_residual: bool = False,
+        groups: int = 1,
+        width_per_group: int = 64,
+        replace_stride_with_dilation: Optional[list[bool]] = None,
+        norm_layer: Optional[NormLayer] = None,
+    ) -> None:
+        super().__init__()
+        if block not in (BasicBlock, Bottleneck):
+            raise ValueError(f"block must be BasicBlock or Bottleneck, got {block!r}.")
+        if len(layers) != 4 or any(not isinstance(n, int) or n < 1 for n in layers):
+            raise ValueError(f"layers must be four positive block counts, e.g. [2, 2, 2, 2], got {layers!r}.")
+        # bool is an int subclass; num_classes=True is always a mistake.
+        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+            raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
+        if not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be a positive integer, got {groups!r}.")
+        if not isinstance(width_per_group, int) or width_per_group < 1:
+            raise ValueError(f"width_per_group must be a positive integer, got {width_per_group!r}.")
+        if replace_stride_with_dilation is None:
+            replace_stride_with_dilation = [False, False, False]
+        if len(replace_stride_with_dilation) != 3:
+            raise ValueError(
+                "replace_stride_with_dilation must be None or three booleans for stages 2-4, "
+                f"got {replace_stride_with_dilation!r}."
+            )
+        if norm_layer is None:
+            norm_layer = nn.BatchNorm2d
+        if not callable(norm_layer):
+            raise ValueError(f"norm_layer must be callable as norm_layer(num_channels), got {norm_layer!r}.")
+
+        self._norm_layer = norm_layer
+        self.include_top = include_top
+        self.num_features = 512 * block.expansion
+        # Running state read by _make_layer: channels entering the next stage and current dilation.
+        self.inplanes = 64
+        self.dilation = 1
+        self.groups = groups
+        self.base_width = width_per_group
+
+        # Stem: (N, 3, H, W) -> (N, 64, H/4, W/4).
+        self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = norm_layer(self.inplanes)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(block, 64, layers[0])
+        self.layer2 = self._make_layer(block, 128, layers[1], stride=2, dilate=replace_stride_with_dilation[0])
+        self.layer3 = self._make_layer(block, 256, layers[2], stride=2, dilate=replace_stride_with_dilation[1])
+        self.layer4 = self._make_layer(block, 512, layers[3], stride=2, dilate=replace_stride_with_dilation[2])
+        if include_top:
+            self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+            self.fc = nn.Linear(self.num_features, num_classes)
+
+        # He init with fan_out preserves the variance of gradients in the backward pass through
+        # ReLUs (https://arxiv.org/abs/1502.01852); identical to torchvision so training from
+        # scratch behaves the same. SyncBatchNorm is not a BatchNorm2d subclass, hence listed.
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm)) and m.affine:
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+        if zero_init_residual:
+            for m in self.modules():
+                last_norm = m.bn3 if isinstance(m, Bottleneck) else m.bn2 if isinstance(m, BasicBlock) else None
+                # Norm layers without an affine weight (or nn.Identity) have nothing to zero.
+                weight = getattr(last_norm, "weight", None)
+                if isinstance(weight, Tensor):
+                    nn.init.zeros_(weight)
+
+    def _make_layer(
+        self, block: Block, planes: int, blocks: int, stride: int = 1, dilate: bool = False
+    ) -> nn.Sequential:
+        """One stage: ``(N, inplanes, H, W) -> (N, planes * expansion, H / stride, W / stride)``."""
+        norm_layer = self._norm_layer
+        # Dilation replaces a stride for dense prediction (https://arxiv.org/abs/1706.05587). The
+        # first block is the one whose stride is removed, so it keeps the previous dilation; the
+        # blocks after it dilate to see the same context as if the stage had downsampled.
+        previous_dilation = self.dilation
+        if dilate:
+            self.dilation *= stride
+            stride = 1
+        downsample = None
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            # Projection shortcut (option B in the ResNet paper) whenever the shape changes.
+            downsample = nn.Sequential(
+                conv1x1(self.inplanes, planes * block.expansion, stride),
+                norm_layer(planes * block.expansion),
+            )
+
+        layers = [
+            block(
+                self.inplanes,
+                planes,
+                stride,
+                downsample,
+                groups=self.groups,
+                base_width=self.base_width,
+                dilation=previous_dilation,
+                norm_layer=norm_layer,
+            )
+        ]
+        self.inplanes = planes * block.expansion
+        for _ in range(1, blocks):
+            layers.append(
+                block(
+                    self.inplanes,
+                    planes,
+                    groups=self.groups,
+                    base_width=self.base_width,
+                    dilation=self.dilation,
+                    norm_layer=norm_layer,
+                )
+            )
+        return nn.Sequential(*layers)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """``(N, 3, H, W) -> (N, num_features, H / 32, W / 32)``, the last stage's feature map."""
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer1(x)
+        x = self.layer2(x)
+        x = self.layer3(x)
+        return self.layer4(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(N, 3, H, W) -> (N, num_classes)`` logits, or the feature map if ``include_top=False``."""
+        x = self.forward_features(x)
+        if not self.include_top:
+            return x
+        x = torch.flatten(self.avgpool(x), 1)
+        return self.fc(x)
+
+
+def _resnet(
+    block: Block, layers: list[int], num_classes: int, include_top: bool, kwargs: dict[str, Any], **fixed: Any
+) -> ResNet:
+    """Build a :class:`ResNet`; ``fixed`` holds arguments that define the named architecture."""
+    # Fail loudly instead of silently building a different network than the name promises.
+    for key, value in fixed.items():
+        if kwargs.get(key, value) != value:
+            raise ValueError(
+                f"{key}={kwargs[key]!r} conflicts with this model's {key}={value}; "
+                f"pass {key} to resnet50 or resnet101 to build a custom width."
+            )
+    return ResNet(block, layers, num_classes=num_classes, include_top=include_top, **{**kwargs, **fixed})
+
+
+def resnet18(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
+    """ResNet-18 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
+    return _resnet(BasicBlock, [2, 2, 2, 2], num_classes, include_top, kwargs)
+
+
+def resnet34(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
+    """ResNet-34 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
+    return _resnet(BasicBlock, [3, 4, 6, 3], num_classes, include_top, kwargs)
+
+
+def resnet50(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
+    """ResNet-50 V1.5 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
+    return _resnet(Bottleneck, [3, 4, 6, 3], num_classes, include_top, kwargs)
+
+
+def resnet101(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
+    """ResNet-101 V1.5 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
+    return _resnet(Bottleneck, [3, 4, 23, 3], num_classes, include_top, kwargs)
+
+
+def resnext50_32x4d(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
+    """ResNeXt-50 32x4d (https://arxiv.org/abs/1611.05431); ``kwargs`` go to :class:`ResNet`."""
+    return _resnet(Bottleneck, [3, 4, 6, 3], num_classes, include_top, kwargs, groups=32, width_per_group=4)
+
+
+def resnext101_32x8d(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
+    """ResNeXt-101 32x8d (https://arxiv.org/abs/1611.05431); ``kwargs`` go to :class:`ResNet`."""
+    return _resnet(Bottleneck, [3, 4, 23, 3], num_classes, include_top, kwargs, groups=32, width_per_group=8)
+
+
+MODELS: dict[str, Callable[..., ResNet]] = {
+    "resnet18": resnet18,
+    "resnet34": resnet34,
+    "resnet50": resnet50,
+    "resnet101": resnet101,
+    "resnext50_32x4d": resnext50_32x4d,
+    "resnext101_32x8d": resnext101_32x8d,
+}
+
+
+def get_model(name: str, **kwargs: Any) -> ResNet:
+    """Build the model registered as ``name`` in :data:`MODELS`; ``kwargs`` go to its builder."""
+    if name not in MODELS:
+        raise ValueError(f"Unknown model {name!r}; choose one of: {', '.join(MODELS)}.")
+    return MODELS[name](**kwargs)

@@ -1,0 +1,1 @@
+"""Distributed-training helpers that any PyTorch project can copy as one folder."""

@@ -1,0 +1,127 @@
+"""Checkpoints that survive crashes: atomic writes, safe loads, RNG state, pruning."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+class CheckpointError(ValueError):
+    """A file given as a checkpoint or weights cannot be used (one sentence, with the path)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare model under DDP and/or ``torch.compile`` wrappers (what we save and load)."""
+    model = getattr(model, "_orig_mod", model)
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temp file in the same folder, fsync, then rename over ``path``.
+
+    A crash (or kill -9) at any point leaves either the old file or the new one, never half.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:  # make the rename itself durable
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_file(path: str | os.PathLike) -> Any:
+    """``torch.load`` on CPU with ``weights_only=True``; a clear error for anything unusable."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint/weights file {path} does not exist.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle errors, truncated zip, unsafe globals, ...
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({first}).") from None
+
+
+def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model state dict inside ``obj`` (a bare state dict or a checkpoint with ``model``),
+    without any ``module.`` / ``_orig_mod.`` prefixes."""
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]
+    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
+        raise CheckpointError(f"{path} holds no model state dict (expected a dict of tensors or a "
+                              "checkpoint with a 'model' entry).")
+    return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in obj.items()}
+
+
+def load_matching_weights(model: nn.Module, path: str | os.PathLike
+                          ) -> tuple[list[str], list[str]]:
+    """Load the tensors of ``path`` whose names and shapes fit ``model`` (e.g. all but a new
+    classifier head). Returns (skipped keys of the file, model keys left as initialised)."""
+    state = extract_state_dict(load_file(path), path)
+    own = model.state_dict()
+    fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not fitting:
+        raise CheckpointError(f"no tensor in {path} matches the model by name and shape; is it "
+                              "weights for another architecture?")
+    model.load_state_dict(fitting, strict=False)
+    skipped = sorted(set(state) - set(fitting))
+    missing = sorted(set(own) - set(fitting))
+    return skipped, missing
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain Python values (bytes, lists), which both
+    ``all_gather_object`` and ``weights_only`` loading accept."""
+    kind, keys, *rest = np.random.get_state()
+    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate(),
+             "numpy": [kind, keys.tolist(), *rest]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    random.setstate(_tuples(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+
+
+def _tuples(obj: Any) -> Any:
+    # random.setstate needs tuples; a round trip through some serialisers yields lists.
+    return tuple(_tuples(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def prune_weights(folder: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` ``model-{epoch}.pth`` files (0 keeps all)."""
+    if keep_last <= 0:
+        return []
+    files = sorted(Path(folder).glob("model-*.pth"),
+                   key=lambda p: int(m.group(1)) if (m := re.match(r"model-(\d+)\.pth$", p.name)) else -1)
+    doomed = files[:-keep_last]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed

@@ -1,0 +1,255 @@
+"""Process-group set-up and the small rank helpers every training loop needs.
+
+One code path serves one process and many: every helper answers sensibly (rank 0, world size 1,
+value unchanged) when no process group exists, so ``python train.py`` and
+``torchrun --nproc_per_node=8 train.py`` run the same lines.
+
+Where the ranks come from, in order:
+
+1. torchrun / ``torch.distributed.launch --use_env`` / our spawn launcher: ``RANK``, ``WORLD_SIZE``,
+   ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+2. SLURM (``srun python train.py``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the
+   master address is the first host of ``SLURM_JOB_NODELIST`` unless ``MASTER_ADDR`` is set.
+3. Neither: a single process, no process group.
+
+This package imports nothing from the training scripts beside it, so it can be copied alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import socket
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job. Read it; never mutate ``args`` with it."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _slurm_master_addr() -> str:
+    """First host of the SLURM node list (``node[01-04],gpu7`` -> ``node01``)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    try:  # scontrol knows every node-list syntax; it exists wherever srun does
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    first = re.split(r",(?![^\[]*\])", nodelist)[0] if nodelist else "127.0.0.1"
+    match = re.match(r"([^\[]+)\[([^\],\-]+)", first)
+    return match.group(1) + match.group(2) if match else first
+
+
+def _read_env() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) from the launcher's environment, or None if not launched."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)),
+                int(os.environ["WORLD_SIZE"]))
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+        # Export what env:// rendezvous reads; the port is derived from the job id so every task
+        # of one job agrees without talking, and two jobs on one node rarely collide.
+        os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
+        return (int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", 0)),
+                int(os.environ["SLURM_NTASKS"]))
+    return None
+
+
+def _pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device {requested} was asked for, but CUDA is not available here; "
+                           "use --device cpu (or auto).")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(f"local rank {local_rank} has no GPU: only {count} visible "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                           "start at most one process per GPU.")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """A store namespaced by torchrun's restart attempt, or None outside torchrun.
+
+    After ``torchrun --max-restarts`` restarts a failed group, the new workers reach the same
+    agent store, which still holds the previous attempt's gloo addresses; a plain env:// init then
+    fails in gloo's connectFullMesh with "Connection refused" to ports of the dead attempt (seen
+    with torch 2.14.1). Prefixing every key with the attempt number keeps the attempts apart.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]),
+                          is_master=not agent_hosts and int(os.environ["RANK"]) == 0,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt{restart}/", store)
+
+
+def init_distributed_mode(args: Any = None, *, device: str | None = None,
+                          dist_url: str | None = None, timeout_s: float | None = None) -> DistInfo:
+    """Create the default process group if a launcher started us; return where we are.
+
+    ``args`` (optional, as in the classic template) supplies ``device``, ``dist_url`` and
+    ``dist_timeout`` when the keywords are not given; it is only read. Backend follows the
+    device: NCCL for CUDA, gloo for CPU. ``timeout_s`` bounds every collective, so a dead peer
+    ends in an error instead of a silent hang.
+    """
+    device = device or getattr(args, "device", None) or "auto"
+    dist_url = dist_url or getattr(args, "dist_url", None) or "env://"
+    timeout_s = timeout_s or getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S
+
+    env = _read_env()
+    if env is None:
+        return DistInfo(device=_pick_device(device, 0))
+    rank, local_rank, world_size = env
+    dev = _pick_device(device, local_rank)
+    if world_size == 1:
+        return DistInfo(rank=rank, local_rank=local_rank, device=dev)
+
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _elastic_store(timeout) if dist_url == "env://" else None
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=dist_url, rank=rank,
+                                world_size=world_size, timeout=timeout)
+    log.debug("rank %d/%d (local %d) on %s with %s", rank, world_size, local_rank, dev, backend)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev,
+                    backend=backend)
+
+
+def cleanup() -> None:
+    """Destroy the default process group if there is one (safe to call twice)."""
+    if is_dist_avail_and_initialized():
+        dist.destroy_process_group()
+
+
+def is_dist_avail_and_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def _collective_device() -> torch.device:
+    # NCCL only moves CUDA tensors, gloo only CPU ones; never assume "cuda".
+    if is_dist_avail_and_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_value(value: torch.Tensor | float, average: bool = True) -> torch.Tensor:
+    """Sum (or mean, with ``average``) of ``value`` over all ranks, returned on every rank.
+
+    The input is not modified. In a single process it comes back unchanged (as a tensor).
+    """
+    tensor = value if torch.is_tensor(value) else torch.tensor(value, device=_collective_device())
+    if get_world_size() < 2:
+        return tensor
+    with torch.no_grad():
+        out = tensor.detach().clone()
+        dist.all_reduce(out)
+        if average:
+            out /= get_world_size()
+    return out
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """``obj`` as held by rank ``src``, on every rank (unchanged in one process)."""
+    if get_world_size() < 2:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_collective_device())
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank."""
+    if get_world_size() < 2:
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """True on every rank only if ``ok`` is true on every rank.
+
+    Use it around work that may fail on one rank (loading a file, checking data) so the others
+    raise too instead of waiting forever in the next collective.
+    """
+    if get_world_size() < 2:
+        return ok
+    flag = torch.tensor([0 if ok else 1], device=_collective_device())
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it; no fixed 12355)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def parse_dist_url(url: str) -> tuple[str, int] | None:
+    """``tcp://HOST:PORT`` -> (HOST, PORT); None for ``env://``."""
+    if url == "env://":
+        return None
+    match = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)", url)
+    if not match:
+        raise ValueError(f"--dist-url {url!r} is not 'env://' or 'tcp://HOST:PORT'.")
+    return match.group(1), int(match.group(2))
+
+
+def set_launch_env(rank: int, local_rank: int, world_size: int, master_addr: str,
+                   master_port: int, extra: Sequence[tuple[str, str]] = ()) -> None:
+    """Export what torchrun would, so a spawned process takes the same env:// path."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                       "WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr,
+                       "MASTER_PORT": str(master_port)})
+    os.environ.update(dict(extra))

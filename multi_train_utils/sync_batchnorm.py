@@ -1,0 +1,115 @@
+"""Synchronised BatchNorm that also runs on CPU with gloo.
+
+``torch.nn.SyncBatchNorm`` only accepts CUDA tensors, so on CPU the template used to train with
+per-rank statistics while claiming SyncBN. :class:`SyncBatchNormCPU` all-reduces the per-channel
+sum, sum of squares and count (one collective per layer per forward, one per backward) with an
+autograd function whose backward all-reduces the gradients, so the
+result equals ``nn.BatchNorm2d`` on the concatenation of every rank's batch - forward, backward
+and running statistics - whatever each rank's batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks whose backward is the sum of every rank's gradient (d(sum)/dx_r = 1).
+
+    Written here because ``torch.distributed.nn.functional.all_reduce`` is deprecated and the
+    functional collectives suggested instead are not differentiable on every version.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over the union of all ranks' batches; plain BatchNorm in one process.
+
+    Input ``(N, C, *)`` -> output of the same shape. State-dict keys equal ``BatchNorm2d``'s.
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        need_sync = (self.training and dist.is_available() and dist.is_initialized()
+                     and dist.get_world_size() > 1)
+        if not need_sync:
+            return super().forward(input)
+
+        channels = input.shape[1]
+        # Sums are taken around a detached shift (the running mean) so that E[x^2] - E[x]^2 does
+        # not cancel catastrophically in float32 when |mean| >> std; variance is shift-invariant.
+        shift = (self.running_mean if self.running_mean is not None
+                 else input.detach().mean(dim=[d for d in range(input.dim()) if d != 1]))
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        centred = input - shift.detach().to(input.dtype).view(shape)
+        dims = [d for d in range(input.dim()) if d != 1]
+        count = torch.full((1,), input.numel() / channels, dtype=input.dtype, device=input.device)
+        stats = torch.cat([centred.sum(dims), (centred * centred).sum(dims), count])
+        stats = _AllReduceSum.apply(stats)
+        total = stats[-1]
+        if total.item() < 2:
+            raise ValueError("SyncBatchNorm needs more than one value per channel over all ranks "
+                             f"(got {int(total.item())}); use a larger batch.")
+        mean_c = stats[:channels] / total
+        var = stats[channels:2 * channels] / total - mean_c * mean_c  # biased, for normalising
+        mean = mean_c + shift.detach().to(input.dtype)
+
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                            else self.momentum)
+                unbiased = var * (total / (total - 1))  # as torch's BatchNorm/SyncBatchNorm
+                self.running_mean.mul_(1 - momentum).add_(momentum * mean.detach())
+                self.running_var.mul_(1 - momentum).add_(momentum * unbiased.detach())
+
+        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
+        """Replace every ``_BatchNorm`` in ``module`` by this class, keeping parameters/buffers."""
+        converted = module
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child))
+        return converted
+
+
+def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
+    """torch's SyncBatchNorm on CUDA (fused kernels), :class:`SyncBatchNormCPU` elsewhere."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    return SyncBatchNormCPU.convert_sync_batchnorm(module)
+
+
+__all__ = ["SyncBatchNormCPU", "convert_sync_batchnorm"]

@@ -1,0 +1,398 @@
+"""Classify images with a checkpoint written by the training script.
+
+Give it any checkpoint the training run left behind and the class list it wrote::
+
+    # full checkpoint: the architecture and image size are read from the checkpoint's "args"
+    python predict.py --weights output/model_best.pth --class-indices output/class_indices.json tulip.jpg
+
+    # bare per-epoch state dict: say which architecture it is; folders mean "every image inside"
+    python predict.py --weights output/weights/model-29.pth --model resnet34 photos/ more.png
+
+``--class-indices`` may be left out when ``class_indices.json`` sits next to the weights file or
+one folder above it (the layout training writes). Each image prints one line on stdout,
+tab-separated: the path, then the top-k ``class: probability`` pairs. An image that cannot be read
+is reported on stderr and the rest are still predicted; the exit code is then 1. Mistakes in the
+arguments (missing files, a class list that does not fit the checkpoint) exit with code 2.
+
+From Python::
+
+    from predict import load_class_names, load_checkpoint, build_model, predict
+
+    class_names = load_class_names("output/class_indices.json")
+    state_dict, train_args = load_checkpoint("output/model_best.pth")
+    model = build_model(train_args.get("model", "resnet34"), state_dict, len(class_names))
+    for p in predict(model, ["tulip.jpg"], class_names, img_size=224, device="cpu", top_k=3):
+        print(p.path, p.top_k)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchvision.transforms import v2
+
+from model import MODELS
+from my_dataset import load_image_tensor
+from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, get_transforms
+
+log = logging.getLogger(__name__)
+
+# Used only when neither the command line nor the checkpoint's recorded args say otherwise.
+DEFAULT_MODEL = "resnet34"
+DEFAULT_IMG_SIZE = 224
+
+# Checkpoints from other sources may still carry wrapper prefixes: DistributedDataParallel adds
+# "module.", torch.compile adds "_orig_mod.". Ours never do (they are saved unwrapped).
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class UsageError(Exception):
+    """A mistake in the inputs the user gave; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The result for one image.
+
+    ``probs`` is the softmax over all classes, shape ``(num_classes,)``, on the CPU; ``top_k`` is
+    the best ``(class_name, probability)`` pairs, most likely first. When the image could not be
+    read, ``probs`` is ``None``, ``top_k`` is empty and ``error`` says why.
+    """
+
+    path: Path
+    probs: Tensor | None
+    top_k: list[tuple[str, float]]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def build_transform(img_size: int) -> v2.Compose:
+    """Validation preprocessing: ``uint8 (3, H, W)`` -> normalised ``float32 (3, img_size, img_size)``.
+
+    Reuses training's own validation transform (shorter side to ``img_size * 256 / 224``, centre
+    crop) and its normalisation, so predictions see exactly what the validation accuracy saw;
+    even a different resize implementation shifts pixels enough to move borderline predictions.
+    """
+    return v2.Compose(
+        [
+            get_transforms(img_size)["val"],
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+
+
+def load_image(path: str | Path) -> Tensor:
+    """Decode an image file as upright RGB, ``uint8 (3, H, W)``, with the training decoder.
+
+    EXIF orientation is applied (phone photos are often stored sideways), and grayscale, palette
+    and RGBA images become 3-channel RGB. Raises on files that cannot be decoded.
+    """
+    return load_image_tensor(str(path))
+
+
+def load_class_names(path: str | Path) -> list[str]:
+    """Read ``class_indices.json`` (``{"0": "daisy", "1": "dandelion", ...}``) into a list by index."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(
+            f"Class-indices file {path} does not exist; pass the class_indices.json written by training."
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"Cannot read class-indices file {path} as JSON ({exc}).") from None
+
+    if isinstance(data, list) and data and all(isinstance(name, str) for name in data):
+        return list(data)
+    expected = [str(i) for i in range(len(data))] if isinstance(data, dict) else []
+    if not expected or sorted(data, key=lambda k: (len(k), k)) != expected:
+        raise UsageError(
+            f"Class-indices file {path} must map the indices 0..N-1 (as strings) to class names, "
+            'like {"0": "daisy", "1": "dandelion"}.'
+        )
+    return [str(data[key]) for key in expected]
+
+
+def _strip_wrapper_prefixes(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    for prefix in _WRAPPER_PREFIXES:
+        if state_dict and all(key.startswith(prefix) for key in state_dict):
+            state_dict = {key[len(prefix) :]: value for key, value in state_dict.items()}
+    return dict(state_dict)
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Load weights saved by training, returning ``(state_dict, train_args)``.
+
+    Accepts a full checkpoint (``{"model": state_dict, "args": {...}, ...}``) or a bare state
+    dict; ``train_args`` is ``{}`` for the latter. Loads with ``weights_only=True`` so a file from
+    an untrusted source cannot run code.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(
+            f"Weights file {path} does not exist; pass a checkpoint.pth, model_best.pth or "
+            "weights/model-<epoch>.pth written by training."
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types here (UnpicklingError, RuntimeError, EOFError)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"Cannot load weights file {path} ({reason}).") from None
+
+    if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
+        state_dict, train_args = obj["model"], obj.get("args")
+        train_args = dict(train_args) if isinstance(train_args, Mapping) else {}
+    elif isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
+        state_dict, train_args = obj, {}
+    else:
+        raise UsageError(
+            f"Weights file {path} holds neither a state dict nor a checkpoint with a 'model' entry."
+        )
+    return _strip_wrapper_prefixes(state_dict), train_args
+
+
+def build_model(model_name: str, state_dict: Mapping[str, Tensor], num_classes: int) -> nn.Module:
+    """Build ``model_name`` with ``num_classes`` outputs and load ``state_dict`` into it (strict).
+
+    The returned model is in eval mode on the CPU: ``(N, 3, H, W) -> (N, num_classes)`` logits.
+    """
+    if model_name not in MODELS:
+        raise UsageError(f"Unknown model {model_name!r}; pass --model with one of: {', '.join(MODELS)}.")
+    fc_weight = state_dict.get("fc.weight")
+    if fc_weight is None:
+        raise UsageError("The weights have no classifier (fc.weight); they cannot predict classes.")
+    if fc_weight.shape[0] != num_classes:
+        raise UsageError(
+            f"The class-indices file lists {num_classes} classes but the weights were trained for "
+            f"{fc_weight.shape[0]}; pass the class_indices.json written by the same training run."
+        )
+    model = MODELS[model_name](num_classes=num_classes)
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError:
+        # The full PyTorch message lists every mismatched key; one sentence is more useful here.
+        raise UsageError(
+            f"The weights do not fit architecture {model_name}; pass --model with the architecture "
+            "they were trained with."
+        ) from None
+    return model.eval()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` picks CUDA when available, else the CPU; anything else is a torch device string."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"Unknown device {name!r}; use auto, cpu, cuda or cuda:<index>.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name} was requested but CUDA is not available; use --device cpu.")
+    return device
+
+
+def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
+    """Expand folders into the image files directly inside them (sorted by name); keep files as given.
+
+    Files named explicitly are kept whatever their extension (and even if missing): they are
+    reported per image later, so one typo does not stop the rest of the batch.
+    """
+    paths: list[Path] = []
+    for raw in inputs:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
+            if not found:
+                log.warning("Folder %s contains no image files (%s).", path, ", ".join(IMG_EXTENSIONS))
+            paths.extend(found)
+        else:
+            paths.append(path)
+    return paths
+
+
+@torch.inference_mode()
+def iter_predictions(
+    model: nn.Module,
+    image_paths: Sequence[str | Path],
+    class_names: Sequence[str],
+    img_size: int,
+    device: str | torch.device,
+    top_k: int = 5,
+    batch_size: int = 32,
+) -> Iterator[Prediction]:
+    """Like :func:`predict`, but yields results batch by batch, so output can start early."""
+    if top_k < 1 or batch_size < 1:
+        raise ValueError(f"top_k and batch_size must be positive, got top_k={top_k}, batch_size={batch_size}.")
+    k = min(top_k, len(class_names))
+    transform = build_transform(img_size)
+    # Eval mode matters: BatchNorm must use its running statistics, not the batch's.
+    model.eval().to(device)
+
+    paths = [Path(p) for p in image_paths]
+    for start in range(0, len(paths), batch_size):
+        chunk = paths[start : start + batch_size]
+        results: list[Prediction | None] = [None] * len(chunk)
+        tensors: list[Tensor] = []
+        slots: list[int] = []
+        for i, path in enumerate(chunk):
+            try:
+                tensors.append(transform(load_image(path)))
+                slots.append(i)
+            except Exception as exc:  # decoders of untrusted files raise many types (OSError, SyntaxError, ...)
+                results[i] = Prediction(path, None, [], f"Cannot read image {path}: {exc}")
+        if tensors:
+            logits = model(torch.stack(tensors).to(device))  # (B, 3, S, S) -> (B, C)
+            if logits.shape[1] != len(class_names):
+                raise ValueError(
+                    f"The model has {logits.shape[1]} outputs but {len(class_names)} class names were given."
+                )
+            probs = logits.float().softmax(dim=1).cpu()
+            top_probs, top_idx = probs.topk(k, dim=1)
+            for row, i in enumerate(slots):
+                pairs = [(class_names[j], p) for j, p in zip(top_idx[row].tolist(), top_probs[row].tolist())]
+                results[i] = Prediction(chunk[i], probs[row], pairs)
+        yield from (r for r in results if r is not None)
+
+
+def predict(
+    model: nn.Module,
+    image_paths: Sequence[str | Path],
+    class_names: Sequence[str],
+    img_size: int,
+    device: str | torch.device,
+    top_k: int = 5,
+    batch_size: int = 32,
+) -> list[Prediction]:
+    """Classify image files, one :class:`Prediction` per path, in the order given.
+
+    Each image goes through :func:`build_transform`, so ``model`` sees ``(N, 3, img_size, img_size)``
+    and must return ``(N, len(class_names))`` logits. The model is switched to eval mode and moved
+    to ``device``. Unreadable images get a :class:`Prediction` with ``error`` set instead of raising.
+    """
+    return list(iter_predictions(model, image_paths, class_names, img_size, device, top_k, batch_size))
+
+
+def format_prediction(pred: Prediction) -> str:
+    """``path<TAB>class: 0.912<TAB>class: 0.051 ...`` (tabs, since paths and names may hold spaces)."""
+    return "\t".join([str(pred.path), *(f"{name}: {prob:.3f}" for name, prob in pred.top_k)])
+
+
+def _default_class_indices(weights: Path) -> Path:
+    # Training writes class_indices.json into --output-dir; checkpoint.pth sits there too and the
+    # per-epoch files one level down in weights/.
+    for folder in (weights.parent, weights.parent.parent):
+        candidate = folder / "class_indices.json"
+        if candidate.is_file():
+            return candidate
+    raise UsageError(
+        f"No --class-indices given and no class_indices.json next to {weights} or one folder above; "
+        "pass --class-indices."
+    )
+
+
+def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    try:
+        device = resolve_device(args.device)
+        state_dict, train_args = load_checkpoint(args.weights)
+        class_indices = args.class_indices or _default_class_indices(args.weights)
+        class_names = load_class_names(class_indices)
+        # `or`, not a .get default: args.json-style records hold null for unset options.
+        model_name = args.model or str(train_args.get("model") or DEFAULT_MODEL)
+        img_size = args.img_size or int(train_args.get("img_size") or DEFAULT_IMG_SIZE)
+        model = build_model(model_name, state_dict, len(class_names))
+        image_paths = collect_images(args.images)
+        if not image_paths:
+            raise UsageError("No images to predict; pass image files or folders that contain some.")
+    except UsageError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+
+    log.info("%s, %d classes, img-size %d, on %s", model_name, len(class_names), img_size, device)
+    failed = 0
+    for pred in iter_predictions(model, image_paths, class_names, img_size, device, args.top_k, args.batch_size):
+        if pred.ok:
+            print(format_prediction(pred), flush=True)
+        else:
+            failed += 1
+            log.error("%s", pred.error)
+    if failed:
+        log.error("%d of %d images could not be read.", failed, len(image_paths))
+        sys.exit(1)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except "(default: None)": those flags explain their fallback in the help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Classify images with a trained checkpoint.",
+        formatter_class=_HelpFormatter,
+        add_help=add_help,
+    )
+    parser.add_argument(
+        "images", nargs="+", metavar="IMAGE", help="image files, or folders whose image files are all predicted"
+    )
+
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--weights", type=Path, required=True, metavar="PATH", help="checkpoint.pth / model_best.pth, or a bare state dict"
+    )
+    group.add_argument(
+        "--class-indices",
+        type=Path,
+        metavar="PATH",
+        default=None,
+        help="JSON mapping index -> class name; default: class_indices.json next to --weights or one folder up",
+    )
+    group.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default=None,
+        help=f"architecture; default: the one recorded in the checkpoint, else {DEFAULT_MODEL}",
+    )
+    group.add_argument(
+        "--img-size",
+        type=_positive_int,
+        default=None,
+        help=f"crop size; default: the one recorded in the checkpoint, else {DEFAULT_IMG_SIZE}",
+    )
+
+    group = parser.add_argument_group("inference")
+    group.add_argument(
+        "--top-k", type=_positive_int, default=5, help="classes printed per image (capped at the class count)"
+    )
+    group.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda, cuda:1, ...")
+    group.add_argument("--batch-size", type=_positive_int, default=32, help="images per forward pass")
+    return parser
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

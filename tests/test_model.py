@@ -1,0 +1,223 @@
+"""model.py must be a drop-in for torchvision's ResNets: same state dict, same outputs.
+
+Everything runs on CPU at 64x64 px with randomly initialised weights; nothing is downloaded.
+"""
+
+from typing import Callable
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import model
+
+NAMES = list(model.MODELS)
+# (N, 3, 64, 64) is enough to pass through all five downsamplings: layer4 is 2x2.
+INPUT_SHAPE = (2, 3, 64, 64)
+BOTTLENECK = {"resnet50", "resnet101", "resnext50_32x4d", "resnext101_32x8d"}
+
+
+def _feature_channels(name: str) -> int:
+    return 2048 if name in BOTTLENECK else 512
+
+
+def _randomize_(module: nn.Module, seed: int = 0) -> None:
+    """Give every parameter and BN buffer non-default values, in place.
+
+    Freshly initialised BN layers are an identity in eval mode (mean 0, var 1, weight 1, bias 0),
+    which would hide a swapped or misplaced norm layer; random statistics make every tensor count.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in module.state_dict().items():
+            if not tensor.is_floating_point():
+                continue  # num_batches_tracked
+            if name.endswith("running_var") or (name.endswith("weight") and tensor.dim() == 1):
+                tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)
+            elif tensor.dim() == 1:
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+            else:
+                # Conv/linear weights: keep He scaling so activations stay O(1) through 100+ layers.
+                fan_in = tensor[0].numel()
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * (2.0 / fan_in) ** 0.5)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def model_pair(request: pytest.FixtureRequest) -> tuple[str, nn.Module, nn.Module]:
+    """(name, ours, torchvision's) built once per name, since the ResNeXt-101s are slow to build."""
+    name = request.param
+    torch.manual_seed(0)
+    reference = getattr(torchvision.models, name)(weights=None)
+    return name, model.MODELS[name](), reference
+
+
+def test_models_registry_lists_every_builder() -> None:
+    assert NAMES == ["resnet18", "resnet34", "resnet50", "resnet101", "resnext50_32x4d", "resnext101_32x8d"]
+    for name, builder in model.MODELS.items():
+        assert builder is getattr(model, name)
+
+
+def test_state_dict_matches_torchvision(model_pair: tuple[str, nn.Module, nn.Module]) -> None:
+    _, ours, reference = model_pair
+    ours_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    reference_shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    # Compare as ordered lists too: optimizers and checkpoint converters rely on the order.
+    assert list(ours_shapes) == list(reference_shapes)
+    assert ours_shapes == reference_shapes
+
+
+def test_torchvision_weights_give_identical_outputs(model_pair: tuple[str, nn.Module, nn.Module]) -> None:
+    _, ours, reference = model_pair
+    _randomize_(reference)
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    ours.eval()
+    reference.eval()
+    x = torch.randn(INPUT_SHAPE, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(x)
+        actual = ours(x)
+    assert actual.shape == (2, 1000)
+    # Guard against a vacuous pass: the logits must depend on the input.
+    assert expected.std() > 1e-3
+    assert not torch.equal(expected[0], expected[1])
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnext50_32x4d"])
+def test_num_classes_sets_logit_size(name: str) -> None:
+    net = model.get_model(name, num_classes=7).eval()
+    assert net.fc.out_features == 7
+    with torch.no_grad():
+        assert net(torch.randn(INPUT_SHAPE)).shape == (2, 7)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_include_top_false_returns_feature_map(name: str) -> None:
+    net = model.get_model(name, include_top=False).eval()
+    assert not hasattr(net, "fc") and not hasattr(net, "avgpool")
+    assert not any(key.startswith("fc.") for key in net.state_dict())
+    assert net.num_features == _feature_channels(name)
+    with torch.no_grad():
+        features = net(torch.randn(INPUT_SHAPE))
+    # Output stride 32: 64 px -> 2x2.
+    assert features.shape == (2, _feature_channels(name), 2, 2)
+
+
+def test_backbone_loads_torchvision_weights_without_fc() -> None:
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18(weights=None)
+    _randomize_(reference)
+    backbone = model.resnet18(include_top=False).eval()
+    missing, unexpected = backbone.load_state_dict(reference.state_dict(), strict=False)
+    assert missing == [] and sorted(unexpected) == ["fc.bias", "fc.weight"]
+    # The pooled backbone followed by torchvision's fc must reproduce torchvision's logits.
+    x = torch.randn(INPUT_SHAPE)
+    with torch.no_grad():
+        pooled = backbone(x).mean(dim=(2, 3))
+        torch.testing.assert_close(reference.eval().fc(pooled), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_dilation_matches_torchvision() -> None:
+    torch.manual_seed(0)
+    dilation = [False, True, True]
+    reference = torchvision.models.resnet50(weights=None, replace_stride_with_dilation=dilation)
+    _randomize_(reference)
+    ours = model.resnet50(include_top=False, replace_stride_with_dilation=dilation)
+    ours.load_state_dict(reference.state_dict(), strict=False)
+    layer4 = {}
+    reference.layer4.register_forward_hook(lambda module, args, output: layer4.update(out=output))
+    x = torch.randn(INPUT_SHAPE)
+    with torch.no_grad():
+        reference.eval()(x)
+        features = ours.eval()(x)
+    # Output stride 8: 64 px -> 8x8.
+    assert features.shape == (2, 2048, 8, 8)
+    torch.testing.assert_close(features, layer4["out"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "norm_layer",
+    [lambda c: nn.GroupNorm(32, c), lambda c: nn.GroupNorm(32, c, affine=False)],
+    ids=["groupnorm", "groupnorm-no-affine"],
+)
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_norm_layer_replaces_every_batchnorm(name: str, norm_layer: Callable[[int], nn.Module]) -> None:
+    net = model.get_model(name, norm_layer=norm_layer, zero_init_residual=True)
+    batch_norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    assert not any(isinstance(m, batch_norms) for m in net.modules())
+    group_norms = [m for m in net.modules() if isinstance(m, nn.GroupNorm)]
+    # Stem + 2 or 3 per block + one per downsample shortcut.
+    expected = 1 + (2 * 8 + 3 if name == "resnet18" else 3 * 16 + 4)
+    assert len(group_norms) == expected
+    # GroupNorm has no running statistics, so train-mode output is independent per sample.
+    x = torch.randn(INPUT_SHAPE)
+    out = net.train()(x)
+    torch.testing.assert_close(out[:1], net(x[:1]))
+
+
+def test_default_init_matches_torchvision_recipe() -> None:
+    torch.manual_seed(0)
+    net = model.resnet50()
+    bns = [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(torch.all(m.weight == 1) and torch.all(m.bias == 0) for m in bns)
+    # kaiming_normal_(mode="fan_out"): std = sqrt(2 / (out_channels * kh * kw)).
+    conv = net.conv1.weight
+    expected_std = (2.0 / (64 * 7 * 7)) ** 0.5
+    assert abs(conv.std().item() - expected_std) / expected_std < 0.05
+    # No residual-branch zeroing unless asked for.
+    assert all(torch.all(block.bn3.weight == 1) for block in net.layer1)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_zero_init_residual_makes_blocks_identity_branches(name: str) -> None:
+    net = model.get_model(name, zero_init_residual=True)
+    blocks = [m for m in net.modules() if isinstance(m, (model.BasicBlock, model.Bottleneck))]
+    assert len(blocks) in (8, 16)
+    for block in blocks:
+        last_norm = block.bn3 if isinstance(block, model.Bottleneck) else block.bn2
+        assert torch.all(last_norm.weight == 0)
+        assert torch.all(block.bn1.weight == 1)
+
+
+def test_get_model_unknown_name_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="resnet9000") as excinfo:
+        model.get_model("resnet9000")
+    assert all(name in str(excinfo.value) for name in NAMES)
+
+
+@pytest.mark.parametrize(
+    ("builder", "kwargs", "match"),
+    [
+        (model.resnet18, {"num_classes": 0}, "num_classes"),
+        (model.resnet50, {"num_classes": -3}, "num_classes"),
+        (model.resnet50, {"num_classes": 2.5}, "num_classes"),
+        (model.resnet50, {"num_classes": True}, "num_classes"),
+        (model.resnet50, {"replace_stride_with_dilation": [True]}, "replace_stride_with_dilation"),
+        (model.resnet18, {"replace_stride_with_dilation": [False, False, True]}, "dilation"),
+        (model.resnet18, {"groups": 32}, "BasicBlock"),
+        (model.resnet50, {"groups": 0}, "groups"),
+        (model.resnet50, {"width_per_group": 0}, "width_per_group"),
+        (model.resnet50, {"norm_layer": "batchnorm"}, "norm_layer"),
+        (model.resnext50_32x4d, {"groups": 64}, "groups"),
+    ],
+)
+def test_bad_arguments_raise_value_error(builder: Callable[..., nn.Module], kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        builder(**kwargs)
+
+
+def test_bad_layers_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="layers"):
+        model.ResNet(model.BasicBlock, [2, 2, 2])
+    with pytest.raises(ValueError, match="layers"):
+        model.ResNet(model.BasicBlock, [2, 0, 2, 2])
+
+
+def test_resnet50_with_resnext_widths_equals_resnext50() -> None:
+    # torchvision allows resnet50(groups=32, width_per_group=4); it must be the same network.
+    custom = model.resnet50(groups=32, width_per_group=4)
+    named = model.resnext50_32x4d(groups=32)  # a matching value is not a conflict
+    assert {k: v.shape for k, v in custom.state_dict().items()} == {
+        k: v.shape for k, v in named.state_dict().items()
+    }

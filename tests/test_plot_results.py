@@ -1,0 +1,143 @@
+"""plot_results.py: three valid PNGs, plotted values read from metrics.jsonl, clear errors.
+
+The metrics below are synthetic (this is a test); the script itself must plot only what it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import plot_results
+
+ROOT = Path(__file__).resolve().parents[1]
+PNGS = ("accuracy.png", "loss.png", "epoch_time.png")
+
+
+def _record(epoch: int, acc: float, loss: float, seconds: float, **extra: float) -> dict:
+    return {"epoch": epoch, "train_loss": loss, "val_acc": acc, "lr": 0.01, "epoch_seconds": seconds,
+            "train_images_per_sec": 100.0, **extra}
+
+
+def _write_run(run_dir: Path, lines: list[str], run_args: dict | None = None) -> Path:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if run_args is not None:
+        (run_dir / "args.json").write_text(json.dumps(run_args))
+    return run_dir
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> tuple[Path, Path]:
+    one = _write_run(
+        tmp_path / "one_proc",
+        [
+            json.dumps(_record(0, 0.40, 1.50, 12.0)),
+            '{"epoch": 1, "train_loss": 1.1, "val_acc"',  # cut short mid-write: skipped
+            json.dumps(_record(1, 0.55, 1.10, 11.0)),
+            json.dumps(_record(2, 0.61, 0.90, 10.0)),
+        ],
+    )
+    two = _write_run(
+        tmp_path / "two_procs",
+        [json.dumps(_record(e, 0.3 + 0.1 * e, 1.4 - 0.2 * e, 6.0 + e, val_loss=1.5 - 0.2 * e)) for e in range(4)],
+        {"model": "resnet34", "world_size": 2, "syncBN": True},
+    )
+    return one, two
+
+
+def test_cli_writes_three_valid_pngs(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "plots"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "plot_results.py"), *map(str, runs), "--out-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(out / name) for name in PNGS]
+    for name in PNGS:
+        path = out / name
+        assert path.stat().st_size > 10_000  # a chart with axes, lines and text, not an empty canvas
+        with Image.open(path) as img:
+            img.verify()
+            assert img.format == "PNG"
+            assert min(img.size) > 200
+    # The truncated line is reported with its file and line number, and nothing else goes wrong.
+    (warning,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "WARNING" in warning and "metrics.jsonl:2" in warning
+
+
+def test_plotted_values_are_read_from_metrics(runs: tuple[Path, Path]) -> None:
+    loaded = plot_results.load_runs(runs)
+
+    accuracy = plot_results.plot_accuracy(loaded).axes[0]
+    one, two = accuracy.get_lines()
+    assert list(one.get_xdata()) == [0, 1, 2]  # the malformed line is gone, not plotted as a gap
+    assert list(one.get_ydata()) == pytest.approx([40.0, 55.0, 61.0])
+    assert list(two.get_ydata()) == pytest.approx([30.0, 40.0, 50.0, 60.0])
+
+    loss = plot_results.plot_loss(loaded).axes[0]
+    styles = {line.get_label(): line.get_linestyle() for line in loss.get_lines()}
+    assert styles == {
+        "one_proc train": "-",
+        "two_procs (resnet34, 2 procs, syncBN) train": "-",
+        "two_procs (resnet34, 2 procs, syncBN) val": "--",  # only the run that recorded val_loss
+    }
+
+    bars = plot_results.plot_epoch_time(loaded).axes[0].patches
+    assert [bar.get_height() for bar in bars] == pytest.approx([11.0, 7.5])
+
+
+def test_malformed_lines_are_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = _write_run(
+        tmp_path / "run",
+        [
+            json.dumps(_record(0, 0.5, 1.0, 3.0)),
+            "[1, 2, 3]",
+            json.dumps({"epoch": 1, "train_loss": 0.9}),  # no val_acc / epoch_seconds
+            json.dumps(_record(1, 0.2, 5.0, 3.0)),
+            json.dumps(_record(1, 0.6, 0.8, 3.0)),  # resumed run re-trained epoch 1: last one wins
+        ],
+    )
+
+    with caplog.at_level(logging.WARNING):
+        records = plot_results.load_metrics(run / "metrics.jsonl")
+
+    assert [(r["epoch"], r["val_acc"]) for r in records] == [(0, 0.5), (1, 0.6)]
+    warned_lines = sorted(r.getMessage().split(":")[1] for r in caplog.records if r.levelno == logging.WARNING)
+    assert warned_lines == ["2", "3"]
+
+
+@pytest.mark.parametrize("content", [None, "", "not json\n"])
+def test_missing_or_empty_metrics_exit_2(
+    tmp_path: Path, content: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    if content is not None:
+        (run / "metrics.jsonl").write_text(content)
+    args = plot_results.get_args_parser().parse_args([str(run), "--out-dir", str(tmp_path / "plots")])
+
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit) as exc:
+        plot_results.main(args)
+
+    assert exc.value.code == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and str(run) in errors[0]
+    assert not (tmp_path / "plots").exists()
+
+
+def test_labels_must_match_run_count(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    args = plot_results.get_args_parser().parse_args([*map(str, runs), "--out-dir", str(tmp_path), "--labels", "a"])
+    with pytest.raises(SystemExit) as exc:
+        plot_results.main(args)
+    assert exc.value.code == 2
+
+    loaded = plot_results.load_runs(runs, ["1 GPU", "2 GPUs"])
+    assert [run.label for run in loaded] == ["1 GPU", "2 GPUs"]

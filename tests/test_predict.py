@@ -1,0 +1,218 @@
+"""predict.py: right numbers for each image, per-image failures, and one-sentence usage errors.
+
+A randomly initialised 3-class ResNet-18 at 64x64 px stands in for a trained model; the expected
+probabilities come from a direct forward pass over preprocessing written out here from the
+contract, not from predict.py's own helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image, ImageOps
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+import predict
+from model import MODELS
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = ["daisy", "rose", "tulip"]
+IMG_SIZE = 64  # recorded in the checkpoint's args; the CLI must pick it up from there
+PAIR = re.compile(r"^(?P<name>\w+): (?P<prob>[01]\.\d{3})$")
+
+
+def _noise_image(path: Path, size: tuple[int, int], mode: str, seed: int) -> Path:
+    generator = torch.Generator().manual_seed(seed)
+    channels = len(Image.new(mode, (1, 1)).getbands())
+    pixels = torch.randint(0, 256, (size[1], size[0], channels), dtype=torch.uint8, generator=generator)
+    Image.frombytes(mode, size, pixels.numpy().tobytes()).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A training output dir: full checkpoint, bare per-epoch weights, class indices, images."""
+    out = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    model = MODELS["resnet18"](num_classes=len(CLASSES)).eval()
+    train_args = {"model": "resnet18", "num_classes": len(CLASSES), "img_size": IMG_SIZE}
+    torch.save({"model": model.state_dict(), "optimizer": {}, "epoch": 2, "args": train_args}, out / "checkpoint.pth")
+    (out / "weights").mkdir()
+    torch.save(model.state_dict(), out / "weights" / "model-2.pth")
+    (out / "class_indices.json").write_text(json.dumps({str(i): c for i, c in enumerate(CLASSES)}))
+
+    images = out / "images"
+    images.mkdir()
+    # Different sizes, modes and extension cases; notes.txt must be ignored by the folder scan.
+    paths = [
+        _noise_image(images / "a_rgb.jpg", (90, 70), "RGB", seed=1),
+        _noise_image(images / "b_gray.PNG", (70, 100), "L", seed=2),
+        _noise_image(images / "c_rgba.png", (80, 80), "RGBA", seed=3),
+    ]
+    (images / "notes.txt").write_text("not an image")
+    bad = out / "bad.jpg"
+    bad.write_bytes(b"\xff\xd8 this is not really a JPEG")
+    return {"dir": out, "model": model, "images": paths, "bad": bad}
+
+
+def _expected_probs(model: torch.nn.Module, path: Path, img_size: int = IMG_SIZE) -> torch.Tensor:
+    """Softmax over classes, ``(C,)``, with the validation preprocessing spelled out by hand."""
+    with Image.open(path) as img:  # PIL here, so a second decoder checks predict.py's
+        image = TF.pil_to_tensor(ImageOps.exif_transpose(img).convert("RGB"))
+    image = v2.CenterCrop(img_size)(v2.Resize(int(img_size * 256 / 224), antialias=True)(image))
+    x = image.float() / 255
+    x = (x - torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    with torch.no_grad():
+        return model(x.unsqueeze(0)).softmax(dim=1)[0]
+
+
+def _run_cli(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "predict.py"), *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_predict_matches_direct_forward(run: dict) -> None:
+    # batch_size=2 over 3 images also covers a last, partial batch.
+    preds = predict.predict(run["model"], run["images"], CLASSES, IMG_SIZE, "cpu", top_k=5, batch_size=2)
+
+    assert [p.path for p in preds] == run["images"]
+    for pred in preds:
+        expected = _expected_probs(run["model"], pred.path)
+        assert pred.ok
+        assert pred.probs.shape == (len(CLASSES),)
+        assert pred.probs.sum().item() == pytest.approx(1.0, abs=1e-5)
+        torch.testing.assert_close(pred.probs, expected, atol=1e-5, rtol=1e-4)
+        assert len(pred.top_k) == len(CLASSES)  # top_k=5 is capped at the 3 classes
+        assert pred.top_k[0][0] == CLASSES[expected.argmax().item()]
+        probs = [p for _, p in pred.top_k]
+        assert probs == sorted(probs, reverse=True)
+
+
+def test_main_reads_model_and_img_size_from_checkpoint(run: dict, capsys: pytest.CaptureFixture) -> None:
+    images = run["dir"] / "images"
+    # No --model, --img-size or --class-indices: all come from the checkpoint and its folder.
+    args = predict.get_args_parser().parse_args(
+        ["--weights", str(run["dir"] / "checkpoint.pth"), "--top-k", "2", str(images)]
+    )
+
+    predict.main(args)  # returns normally: exit code 0
+
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(run["images"])  # notes.txt skipped
+    for line, path in zip(lines, sorted(run["images"])):
+        shown_path, *pairs = line.split("\t")
+        assert Path(shown_path) == path
+        assert len(pairs) == 2
+        parsed = [PAIR.match(pair) for pair in pairs]
+        assert all(parsed), line
+        expected = _expected_probs(run["model"], path)
+        top = expected.topk(2)
+        assert [m["name"] for m in parsed] == [CLASSES[i] for i in top.indices.tolist()]
+        for m, p in zip(parsed, top.values.tolist()):
+            assert float(m["prob"]) == pytest.approx(p, abs=6e-4)
+
+
+def test_cli_reports_bad_image_and_still_predicts_the_rest(run: dict) -> None:
+    good = run["images"][0]
+    result = _run_cli(
+        "--weights", run["dir"] / "weights" / "model-2.pth",  # bare state dict
+        "--class-indices", run["dir"] / "class_indices.json",
+        "--model", "resnet18",
+        "--img-size", IMG_SIZE,
+        run["bad"], good,
+    )
+
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if "bad.jpg" in line], result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{good}\t")
+    assert lines[0].count(": ") == len(CLASSES)  # default top-5 capped at 3 classes
+
+
+def test_cli_class_count_mismatch_is_one_line_exit_2(run: dict, tmp_path: Path) -> None:
+    four = tmp_path / "class_indices.json"
+    four.write_text(json.dumps({str(i): c for i, c in enumerate([*CLASSES, "sunflower"])}))
+
+    result = _run_cli("--weights", run["dir"] / "checkpoint.pth", "--class-indices", four, run["images"][0])
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    (message,) = result.stderr.strip().splitlines()
+    assert "4 classes" in message and "3" in message
+
+
+@pytest.mark.parametrize("missing", ["weights", "class-indices"])
+def test_missing_file_exits_2_with_message(
+    run: dict, tmp_path: Path, missing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = {"weights": run["dir"] / "checkpoint.pth", "class-indices": run["dir"] / "class_indices.json"}
+    files[missing] = tmp_path / "nope"
+    args = predict.get_args_parser().parse_args(
+        ["--weights", str(files["weights"]), "--class-indices", str(files["class-indices"]), str(run["images"][0])]
+    )
+
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exc:
+        predict.main(args)
+
+    assert exc.value.code == 2
+    assert any(str(tmp_path / "nope") in r.getMessage() for r in caplog.records)
+
+
+def test_load_checkpoint_accepts_full_and_bare_and_strips_module_prefix(run: dict, tmp_path: Path) -> None:
+    reference = run["model"].state_dict()
+    wrapped = tmp_path / "ddp.pth"
+    torch.save({f"module.{k}": v for k, v in reference.items()}, wrapped)
+
+    for path, expected_args in [
+        (run["dir"] / "checkpoint.pth", {"model": "resnet18", "num_classes": 3, "img_size": IMG_SIZE}),
+        (run["dir"] / "weights" / "model-2.pth", {}),
+        (wrapped, {}),
+    ]:
+        state_dict, train_args = predict.load_checkpoint(path)
+        assert train_args == expected_args
+        assert state_dict.keys() == reference.keys()
+        assert all(torch.equal(state_dict[k], reference[k]) for k in reference)
+
+
+def test_wrong_architecture_is_a_usage_error(run: dict) -> None:
+    state_dict, _ = predict.load_checkpoint(run["dir"] / "checkpoint.pth")
+    with pytest.raises(predict.UsageError, match="resnet34"):
+        predict.build_model("resnet34", state_dict, len(CLASSES))
+
+
+def test_class_indices_must_cover_0_to_n_minus_1(tmp_path: Path) -> None:
+    path = tmp_path / "classes.json"
+    path.write_text(json.dumps({"0": "a", "1": "b", "2": "c", "3": "d", "4": "e", "5": "f", "6": "g",
+                                "7": "h", "8": "i", "9": "j", "10": "k"}))
+    assert predict.load_class_names(path)[9:] == ["j", "k"]  # numeric order, not "10" < "2"
+
+    path.write_text(json.dumps({"0": "a", "2": "c"}))
+    with pytest.raises(predict.UsageError, match="0..N-1"):
+        predict.load_class_names(path)
+
+
+def test_load_image_applies_exif_orientation_and_makes_rgb(tmp_path: Path) -> None:
+    path = tmp_path / "sideways.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+    Image.new("L", (40, 20), 100).save(path, exif=exif)
+
+    image = predict.load_image(path)
+
+    assert image.shape == (3, 40, 20)  # (C, H, W): width and height swapped by the EXIF tag
+    assert image.dtype == torch.uint8

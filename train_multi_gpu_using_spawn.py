@@ -1,0 +1,109 @@
+"""Data-parallel training that starts its own processes: one per visible GPU, or N on CPU.
+
+    python train_multi_gpu_using_spawn.py --data-path flower_photos          # every visible GPU
+    CUDA_VISIBLE_DEVICES=0,3 python train_multi_gpu_using_spawn.py ...       # GPUs 0 and 3
+    python train_multi_gpu_using_spawn.py --device cpu --world-size 2 ...    # 2 CPU processes
+    # two machines, 8 GPUs each (run on both, node-rank 0 and 1):
+    python train_multi_gpu_using_spawn.py --nnodes 2 --node-rank 0 --dist-url tcp://HOST:PORT ...
+
+A free port is picked unless --dist-url or MASTER_PORT gives one. Every child runs the same
+worker as the torchrun launcher (``train_common.train``). If a child dies the others are stopped
+and the launcher exits non-zero; Ctrl-C or SIGTERM stops every child cleanly.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+from multi_train_utils.distributed_utils import find_free_port, parse_dist_url, set_launch_env
+from train_common import get_args_parser as _common_parser
+from train_common import train
+
+log = logging.getLogger("spawn")
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    return _common_parser(add_help=add_help, launcher="spawn")
+
+
+def _worker(local_rank: int, args: argparse.Namespace, nprocs: int, addr: str, port: int) -> None:
+    set_launch_env(rank=args.node_rank * nprocs + local_rank, local_rank=local_rank,
+                   world_size=args.nnodes * nprocs, master_addr=addr, master_port=port,
+                   extra=[("LOCAL_WORLD_SIZE", str(nprocs))])
+    train(args)
+
+
+def _processes_per_node(args: argparse.Namespace) -> int:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    nprocs = args.world_size or gpus or 2
+    if use_cuda and nprocs > gpus:
+        sys.exit(f"error: --world-size {nprocs} but only {gpus} GPU(s) are visible "
+                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                 "lower --world-size or use --device cpu.")
+    return nprocs
+
+
+def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    nprocs = _processes_per_node(args)
+    if args.dist_url != "env://":
+        addr, port = parse_dist_url(args.dist_url)
+        args.dist_url = "env://"  # the children read MASTER_ADDR/PORT like torchrun's
+    else:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" in os.environ:
+            port = int(os.environ["MASTER_PORT"])
+        elif args.nnodes > 1:
+            sys.exit("error: with --nnodes > 1 every node needs the same address: "
+                     "pass --dist-url tcp://HOST:PORT (HOST = node 0).")
+        else:
+            port = find_free_port(addr)
+    log.info("starting %d process(es) on node %d/%d, rendezvous at %s:%d", nprocs,
+             args.node_rank, args.nnodes, addr, port)
+
+    context = mp.start_processes(_worker, args=(args, nprocs, addr, port), nprocs=nprocs,
+                                 join=False, start_method="spawn")
+
+    def forward(signum: int, frame: object) -> None:
+        # Children get SIGTERM and unwind (checkpoint intact, process group destroyed).
+        for proc in context.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+        context.interrupted = signum
+
+    context.interrupted = 0
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        while not context.join(timeout=None, grace_period=10):
+            pass
+    except mp.ProcessExitedException as exc:
+        if context.interrupted:
+            log.error("stopped by %s; run the same command again to resume from %s",
+                      signal.Signals(context.interrupted).name, args.output_dir)
+            sys.exit(128 + context.interrupted)
+        code = exc.exit_code
+        if code == 2:  # a user error: the child already said what is wrong
+            sys.exit(2)
+        log.error("process %d (rank %d) failed (%s); the others were stopped. Fix the cause and "
+                  "run the same command again: it resumes from %s/checkpoint.pth.",
+                  exc.error_index, args.node_rank * nprocs + exc.error_index,
+                  f"signal {exc.signal_name}" if code is not None and code < 0 else f"exit code {code}",
+                  args.output_dir)
+        sys.exit(1)
+    except mp.ProcessRaisedException as exc:
+        log.error("a process raised an error; the others were stopped:\n%s\nRun the same command "
+                  "again to resume from %s/checkpoint.pth.", exc, args.output_dir)
+        sys.exit(1)
+    if context.interrupted:
+        sys.exit(128 + context.interrupted)
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

@@ -1,0 +1,371 @@
+"""Data helpers: find and split an image folder, write class indices, plot, make demo data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torchvision.transforms import v2
+
+from multi_train_utils.distributed_utils import is_main_process
+from my_dataset import check_image
+
+log = logging.getLogger(__name__)
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class DataError(ValueError):
+    """A problem with the user's data, said in one sentence (what, where, how to fix)."""
+
+
+@dataclass
+class FolderScan:
+    """What was found under a dataset root: classes (sorted), their images, what was skipped."""
+
+    root: str
+    classes: list[str]
+    images: list[list[str]]  # images[i]: sorted image paths of classes[i]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    dropped_classes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One paragraph for the log: counts, then what was skipped and why."""
+        total = sum(len(x) for x in self.images)
+        lines = [f"{total} images in {len(self.classes)} classes under {self.root}"]
+        if self.dropped_classes:
+            lines.append(f"dropped {len(self.dropped_classes)} class folder(s) with no usable "
+                         f"image: {', '.join(self.dropped_classes)}")
+        if self.skipped:
+            reasons: dict[str, int] = {}
+            for _, why in self.skipped:
+                key = why.split(" (")[0]
+                reasons[key] = reasons.get(key, 0) + 1
+            lines.append(f"skipped {len(self.skipped)} file(s): "
+                         + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
+            lines += [f"  skipped {p}: {why}" for p, why in self.skipped[:20]]
+            if len(self.skipped) > 20:
+                lines.append(f"  ... and {len(self.skipped) - 20} more (see skipped_files.txt)")
+        return "\n".join(lines)
+
+
+def _walk_files(folder: str) -> list[str]:
+    """Every file below ``folder``, following symlinked folders once (no loops), sorted."""
+    found, seen = [], set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [os.path.join(dirpath, f) for f in filenames]
+    return sorted(found)
+
+
+def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> FolderScan:
+    """Find ``root/<class>/**/<image>``; classes are the sorted sub-folder names.
+
+    Hidden files, other extensions and (with ``verify``) files that are not readable images are
+    skipped and listed; class folders left empty are dropped. Raises :class:`DataError` when
+    fewer than two classes with images remain.
+    """
+    if not os.path.isdir(root):
+        what = "is not a folder" if os.path.exists(root) else "does not exist"
+        raise DataError(f"data path {root} {what}; expected a folder with one sub-folder of "
+                        "images per class (e.g. flower_photos/daisy/*.jpg).")
+    class_names = sorted(d for d in os.listdir(root)
+                         if not d.startswith(".") and os.path.isdir(os.path.join(root, d)))
+    if not class_names:
+        raise DataError(f"data path {root} has no class sub-folders; expected one sub-folder of "
+                        "images per class (e.g. flower_photos/daisy/*.jpg).")
+
+    skipped: list[tuple[str, str]] = []
+    candidates: list[list[str]] = []
+    for name in class_names:
+        kept = []
+        for path in _walk_files(os.path.join(root, name)):
+            base = os.path.basename(path)
+            if base.startswith("."):
+                skipped.append((path, "hidden file"))
+            elif not base.lower().endswith(IMG_EXTENSIONS):
+                skipped.append((path, "not an image extension"))
+            elif not os.path.exists(path):
+                skipped.append((path, "dangling link"))
+            else:
+                kept.append(path)
+        candidates.append(kept)
+
+    if verify:
+        flat = [p for paths in candidates for p in paths]
+        # Header checks are I/O-bound (PIL releases the GIL while reading), so threads help.
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            verdicts = dict(zip(flat, pool.map(check_image, flat)))
+        skipped += [(p, why) for p, why in verdicts.items() if why]
+        candidates = [[p for p in paths if not verdicts[p]] for paths in candidates]
+
+    classes, images, dropped = [], [], []
+    for name, paths in zip(class_names, candidates):
+        (classes if paths else dropped).append(name)
+        if paths:
+            images.append(paths)
+    scan = FolderScan(root=root, classes=classes, images=images, skipped=sorted(skipped),
+                      dropped_classes=dropped)
+    if not classes:
+        raise DataError(f"no readable images found under {root} (looked for "
+                        f"{', '.join(IMG_EXTENSIONS)} in {len(class_names)} class folders).")
+    if len(classes) < 2:
+        raise DataError(f"only one class with images under {root} ({classes[0]}); "
+                        "classification needs at least two class folders with images.")
+    return scan
+
+
+def split_train_val(images: Sequence[Sequence[str]], val_rate: float, seed: int = 0,
+                    class_names: Sequence[str] | None = None
+                    ) -> tuple[list[str], list[int], list[str], list[int], list[str]]:
+    """Stratified split: round(n * val_rate) images of each class (at least one when n >= 2).
+
+    Deterministic for a given seed and file list. Returns train paths/labels, val paths/labels
+    and warnings (classes with no val image).
+    """
+    if not 0 <= val_rate < 1:
+        raise DataError(f"--val-rate {val_rate} must be in [0, 1).")
+    rng = random.Random(seed)
+    train_p, train_y, val_p, val_y, warnings = [], [], [], [], []
+    for label, paths in enumerate(images):
+        k = round(len(paths) * val_rate)
+        if val_rate > 0 and len(paths) >= 2:
+            k = min(max(k, 1), len(paths) - 1)
+        chosen = set(rng.sample(list(paths), k=k))
+        if k == 0 and val_rate > 0:
+            name = class_names[label] if class_names else label
+            warnings.append(f"class {name} has {len(paths)} image(s): none goes to validation")
+        for path in paths:
+            if path in chosen:
+                val_p.append(path)
+                val_y.append(label)
+            else:
+                train_p.append(path)
+                train_y.append(label)
+    return train_p, train_y, val_p, val_y, warnings
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
+    """Write JSON so a reader never sees half a file (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=4, ensure_ascii=False)
+    os.replace(tmp, path)
+
+
+def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, *,
+                    seed: int = 0, output_dir: str | None = ".", verify: bool = True
+                    ) -> tuple[list[str], list[int], list[str], list[int]]:
+    """The classic template's entry point: scan ``root``, split, write ``class_indices.json``.
+
+    Returns ``(train_images_path, train_images_label, val_images_path, val_images_label)``.
+    ``class_indices.json`` (``{"0": "daisy", ...}``) and, with ``plot_image``, the per-class count
+    chart ``class_distribution.png`` go to ``output_dir`` (main process only).
+    """
+    scan = scan_image_folder(root, verify=verify)
+    log.info(scan.summary())
+    train_p, train_y, val_p, val_y, warnings = split_train_val(scan.images, val_rate, seed,
+                                                               scan.classes)
+    for warning in warnings:
+        log.warning(warning)
+    if output_dir is not None and is_main_process():
+        write_json_atomic(Path(output_dir) / "class_indices.json",
+                          {str(i): c for i, c in enumerate(scan.classes)})
+        if plot_image:
+            plot_class_distribution(scan, Path(output_dir) / "class_distribution.png")
+    log.info("%d images for training, %d for validation", len(train_p), len(val_p))
+    return train_p, train_y, val_p, val_y
+
+
+def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
+    """Bar chart of images per class, saved as PNG (headless)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = [len(x) for x in scan.images]
+    fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(counts) + 2), 4))
+    bars = ax.bar(range(len(counts)), counts, align="center")
+    ax.bar_label(bars)
+    ax.set_xticks(range(len(counts)), scan.classes, rotation=45 if len(counts) > 6 else 0)
+    ax.set_xlabel("image class")
+    ax.set_ylabel("number of images")
+    ax.set_title("class distribution")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def get_transforms(img_size: int) -> dict[str, v2.Compose]:
+    """The template's augmentations on ``uint8 (3, H, W)`` tensors (normalised later, on device).
+
+    Val resizes the short side to ``img_size * 256 / 224`` then centre-crops, as for ImageNet.
+    """
+    return {
+        "train": v2.Compose([v2.RandomResizedCrop(img_size, antialias=True),
+                             v2.RandomHorizontalFlip()]),
+        "val": v2.Compose([v2.Resize(int(img_size * 256 / 224), antialias=True),
+                           v2.CenterCrop(img_size)]),
+    }
+
+
+def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
+                           class_indices: str | os.PathLike = "class_indices.json",
+                           save_path: str | os.PathLike | None = None, max_images: int = 8
+                           ) -> Path | None:
+    """Show (or, headless or with ``save_path``, save) one batch with its class names.
+
+    Handles ``uint8`` batches and ImageNet-normalised float batches (de-normalised for display).
+    Returns the saved path, or None when shown on screen.
+    """
+    import matplotlib
+    headless = save_path is not None or not os.environ.get("DISPLAY")
+    if headless:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {}
+    if os.path.exists(class_indices):
+        with open(class_indices, encoding="utf-8") as f:
+            names = json.load(f)
+    images, labels = next(iter(data_loader))
+    count = min(max_images, images.shape[0])
+    cols = min(4, count)
+    fig, axes = plt.subplots(math.ceil(count / cols), cols, figsize=(3 * cols, 3 * math.ceil(count / cols)),
+                             squeeze=False)
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    for ax in axes.flat:
+        ax.axis("off")
+    for i in range(count):
+        img = images[i].float() / 255 if images.dtype == torch.uint8 else images[i].float() * std + mean
+        ax = axes.flat[i]
+        ax.imshow(img.clamp(0, 1).permute(1, 2, 0).numpy())
+        label = int(labels[i])
+        ax.set_title(names.get(str(label), str(label)) if label >= 0 else "unreadable")
+    fig.tight_layout()
+    if headless:
+        path = Path(save_path or "data_loader_batch.png")
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+    plt.show()
+    return None
+
+
+# ---------------------------------------------------------------- demo data
+DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")  # as flower_photos
+
+
+def _draw_demo_image(cls: str, rng: random.Random, size: int):
+    """One procedurally drawn "flower" of class ``cls`` on a random leafy or sky background.
+
+    Classes differ by petal colour, petal count/shape and centre (daisy: white petals, yellow
+    centre; dandelion: many thin yellow petals; sunflowers: yellow petals, large dark centre;
+    roses: red layered disc; tulips: pink-purple cup), with jittered hue, size, position and
+    clutter, so the model must find the flower: learnable in a few CPU epochs, not trivial.
+    """
+    from PIL import Image, ImageDraw, ImageFilter
+
+    def jitter(rgb: tuple[int, int, int], amount: int = 25) -> tuple[int, ...]:
+        return tuple(min(255, max(0, c + rng.randint(-amount, amount))) for c in rgb)
+
+    sky = rng.random() < 0.4
+    bg = jitter((110, 160, 220) if sky else (50, 110, 45), 40)
+    img = Image.new("RGB", (size, size), bg)
+    draw = ImageDraw.Draw(img)
+    for _ in range(rng.randrange(4, 10)):  # leaves and blades of grass
+        x, y = rng.uniform(0, size), rng.uniform(0, size)
+        draw.line([(x, y), (x + rng.uniform(-12, 12), y - rng.uniform(5, 25))],
+                  fill=jitter((40, 120, 40), 35), width=rng.randrange(1, 4))
+
+    def ellipse_points(cx, cy, a, b, angle, n=10):
+        return [(cx + a * math.cos(t) * math.cos(angle) - b * math.sin(t) * math.sin(angle),
+                 cy + a * math.cos(t) * math.sin(angle) + b * math.sin(t) * math.cos(angle))
+                for t in (2 * math.pi * k / n for k in range(n))]
+
+    for _ in range(rng.choice((1, 1, 2))):
+        r = rng.uniform(0.18, 0.32) * size
+        cx, cy = rng.uniform(r * 0.6, size - r * 0.6), rng.uniform(r * 0.6, size - r * 0.6)
+        draw.line([(cx, cy), (cx + rng.uniform(-5, 5), size)], fill=jitter((30, 110, 30)), width=2)
+        spin = rng.uniform(0, math.pi)
+        if cls in ("daisy", "sunflowers", "dandelion"):
+            petals = {"daisy": rng.randrange(10, 15), "sunflowers": rng.randrange(14, 20),
+                      "dandelion": rng.randrange(24, 34)}[cls]
+            width = {"daisy": 0.22, "sunflowers": 0.28, "dandelion": 0.1}[cls] * r
+            colour = (240, 240, 235) if cls == "daisy" else (245, 200, 30)
+            for k in range(petals):
+                angle = spin + 2 * math.pi * k / petals
+                px, py = cx + 0.55 * r * math.cos(angle), cy + 0.55 * r * math.sin(angle)
+                draw.polygon(ellipse_points(px, py, 0.48 * r, width, angle), fill=jitter(colour, 20))
+            centre = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
+                      "dandelion": ((230, 170, 20), 0.3)}[cls]
+            c_r = centre[1] * r
+            draw.ellipse([cx - c_r, cy - c_r, cx + c_r, cy + c_r], fill=jitter(centre[0], 20))
+        elif cls == "roses":
+            base = jitter((200, 25, 45), 30)
+            for layer in range(4):
+                lr_ = r * (1 - 0.22 * layer)
+                shade = tuple(max(0, c - 25 * layer) for c in base)
+                draw.polygon(ellipse_points(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7), fill=shade)
+        else:  # tulips: a cup of three petals
+            colour = jitter(rng.choice(((230, 90, 170), (200, 80, 220), (240, 120, 150))), 20)
+            for offset in (-0.45, 0.0, 0.45):
+                draw.polygon(ellipse_points(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0), fill=colour)
+            draw.rectangle([cx - 0.75 * r, cy + 0.15 * r, cx + 0.75 * r, cy + 0.6 * r], fill=colour)
+    return img.filter(ImageFilter.GaussianBlur(rng.uniform(0, 0.7)))
+
+
+def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64,
+                   seed: int = 0) -> Path:
+    """Write the demo dataset (``root/<shape>/<n>.jpg``) if absent; return ``root``.
+
+    Deterministic for (per_class, size, seed). Safe when several processes call it at once: each
+    writes a private temp folder and renames it into place; the first rename wins.
+    """
+    root = Path(root)
+    if root.is_dir():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
+    try:
+        for cls in DEMO_CLASSES:
+            (tmp / cls).mkdir()
+            rng = random.Random(f"{seed}-{cls}")
+            for i in range(per_class):
+                _draw_demo_image(cls, rng, size).save(tmp / cls / f"{i:04d}.jpg", quality=90)
+        os.rename(tmp, root)
+    except OSError:
+        if not root.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def default_demo_root() -> Path:
+    """Where the demo data is cached: ``$DDP_DEMO_DATA`` or the user's cache folder."""
+    if os.environ.get("DDP_DEMO_DATA"):
+        return Path(os.environ["DDP_DEMO_DATA"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "ddp-template" / "demo_flowers_v1"
