@@ -53,6 +53,7 @@ class BoolFlag(argparse.BooleanOptionalAction):
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, **kwargs)
         self.nargs = "?"
+        self.metavar = "BOOL"
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string.startswith("--no-") or values is None:
@@ -61,6 +62,15 @@ class BoolFlag(argparse.BooleanOptionalAction):
         if text not in ("true", "false", "1", "0", "yes", "no"):
             parser.error(f"{option_string} takes no value or one of true/false, not {values!r}")
         setattr(namespace, self.dest, text in ("true", "1", "yes"))
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except ``None`` ones (their help text says what happens instead)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def default_workers(batch_size: int) -> int:
@@ -72,7 +82,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     """Flags of both launchers (``launcher="spawn"`` adds how many processes to start)."""
     parser = argparse.ArgumentParser(
         description="Data-parallel image classification (ResNet) with DistributedDataParallel.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=add_help)
+        formatter_class=HelpFormatter, add_help=add_help)
 
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", "--data_path", default=None,
@@ -134,6 +144,8 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                       help="env:// (torchrun/SLURM/spawn set the variables) or tcp://HOST:PORT")
     dist.add_argument("--dist-timeout", type=float, default=1800.0,
                       help="seconds a collective may wait for a peer before failing")
+    # torch.distributed.launch without --use_env passes --local-rank; LOCAL_RANK is read instead.
+    dist.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     if launcher == "spawn":
         dist.add_argument("--world-size", "--world_size", type=int, default=None,
                           help="processes on this node (default: visible GPUs, or 2 on CPU)")

@@ -1,0 +1,110 @@
+"""End to end: both launchers train on tiny data with 2 gloo processes and leave usable files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_FLAGS, run, torchrun_cmd
+from model import get_model
+from multi_train_utils.distributed_utils import DistInfo, find_free_port
+from multi_train_utils.sync_batchnorm import SyncBatchNormCPU
+from train_common import _build_model, get_args_parser
+
+
+def check_run_dir(out: Path, epochs: int, world_size: int) -> None:
+    """Metrics per epoch, loadable weights without 'module.', args and class indices."""
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == list(range(epochs))
+    for r in lines:
+        assert set(r) >= {"epoch", "train_loss", "val_acc", "lr", "epoch_seconds",
+                          "train_images_per_sec"}
+        assert 0.0 <= r["val_acc"] <= 1.0 and r["train_loss"] > 0 and r["epoch_seconds"] > 0
+    assert json.loads((out / "args.json").read_text())["world_size"] == world_size
+    classes = json.loads((out / "class_indices.json").read_text())
+    assert classes == {"0": "daisy", "1": "dandelion", "2": "roses", "3": "sunflowers",
+                       "4": "tulips"}
+    for epoch in range(epochs):
+        state = torch.load(out / "weights" / f"model-{epoch}.pth", map_location="cpu",
+                           weights_only=True)
+        assert not any(k.startswith("module.") for k in state)
+        get_model("resnet18", num_classes=5).load_state_dict(state, strict=True)
+    ckpt = torch.load(out / "checkpoint.pth", map_location="cpu", weights_only=True)
+    assert ckpt["epoch"] == epochs - 1 and ckpt["args"]["world_size"] == world_size
+
+
+def test_torchrun_two_processes(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    res = run(torchrun_cmd(2, "train_multi_gpu_using_launch.py", "--data-path", str(tiny_data),
+                           *TINY_FLAGS, "--epochs", "2", "--output-dir", str(out)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_run_dir(out, epochs=2, world_size=2)
+    # Rank 0 alone logs: one summary line per epoch in the combined output.
+    assert (res.stderr + res.stdout).count("[epoch 1] train loss") == 1
+
+
+def test_legacy_launch_use_env(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--use_env", "--nproc_per_node=2",
+           f"--master_port={find_free_port()}", "train_multi_gpu_using_launch.py",
+           "--data-path", str(tiny_data), *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out)]
+    res = run(cmd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_run_dir(out, epochs=1, world_size=2)
+
+
+def test_spawn_two_cpu_processes(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    res = run([sys.executable, "train_multi_gpu_using_spawn.py", "--world-size", "2",
+               "--data-path", str(tiny_data), *TINY_FLAGS, "--epochs", "2", "--output-dir", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_run_dir(out, epochs=2, world_size=2)
+    assert ":12355" not in res.stderr  # the port is picked, not fixed
+
+
+def test_plain_python_single_process(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    res = run([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(tiny_data),
+               *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_run_dir(out, epochs=1, world_size=1)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], True), (["--syncBN"], True), (["--no-syncBN"], False), (["--no-sync-bn"], False),
+    (["--syncBN", "False"], False), (["--syncBN", "True"], True),
+])
+def test_sync_bn_flag_parses(argv, expected):
+    assert get_args_parser().parse_args(argv).sync_bn is expected
+
+
+def test_sync_bn_flag_rejects_nonsense(capsys):
+    with pytest.raises(SystemExit) as exc:
+        get_args_parser().parse_args(["--syncBN", "maybe"])
+    assert exc.value.code == 2
+    assert "true/false" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, sync_layers", [("--syncBN", 20), ("--no-syncBN", 0)])
+def test_sync_bn_really_switches(flag, sync_layers):
+    args = get_args_parser().parse_args(["--model", "resnet18", flag])
+    model = _build_model(args, DistInfo(world_size=2), num_classes=5)
+    kinds = [type(m) for m in model.modules()]
+    assert kinds.count(SyncBatchNormCPU) == sync_layers
+    assert (torch.nn.BatchNorm2d in kinds) == (sync_layers == 0)
+
+
+def test_template_aliases_parse():
+    args = get_args_parser().parse_args(["--num_classes", "5", "--batch_size", "8",
+                                         "--freeze_layers", "True", "--data_path", "x"])
+    assert (args.num_classes, args.batch_size, args.freeze_layers, args.data_path) == (5, 8, True, "x")
+
+
+def test_freeze_layers_trains_only_fc():
+    args = get_args_parser().parse_args(["--model", "resnet18", "--freeze-layers"])
+    model = _build_model(args, DistInfo(), num_classes=5)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
