@@ -27,8 +27,9 @@ from model import MODELS, get_model
 from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, extract_state_dict,
                                           load_file, load_matching_weights, prune_weights,
                                           restore_rng_state, save_atomic, unwrap)
-from multi_train_utils.distributed_utils import (DistInfo, all_gather_object, broadcast_object,
-                                                 cleanup, init_distributed_mode)
+from multi_train_utils.distributed_utils import (DistInfo, LaunchError, all_gather_object,
+                                                 all_ranks_ok, broadcast_object, cleanup,
+                                                 init_distributed_mode)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import EvalResult, evaluate, train_one_epoch
 from my_dataset import MyDataSet
@@ -42,7 +43,7 @@ class ConfigError(ValueError):
     """Flags that contradict each other or the data (one sentence, with the fix)."""
 
 
-USER_ERRORS = (DataError, CheckpointError, ConfigError)
+USER_ERRORS = (DataError, CheckpointError, ConfigError, LaunchError)
 EXIT_USER_ERROR = 2
 
 
@@ -102,7 +103,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                            "unreadable files are skipped and listed")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default="resnet34", choices=sorted(MODELS))
+    model.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
     model.add_argument("--weights", default=None,
                        help="initial weights (state dict or checkpoint); tensors whose shape "
                             "does not fit, e.g. a 1000-class head, are skipped and listed")
@@ -113,7 +114,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                             "(torch's SyncBatchNorm on CUDA, ours on CPU)")
 
     optim = parser.add_argument_group("optimisation")
-    optim.add_argument("--epochs", type=int, default=30)
+    optim.add_argument("--epochs", type=int, default=30, help="total, resumed epochs included")
     optim.add_argument("--batch-size", "--batch_size", type=int, default=16,
                        help="per process; the global batch is this x world size")
     optim.add_argument("--lr", type=float, default=0.001,
@@ -122,8 +123,8 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                        help="linear scaling: lr x world size (Goyal et al. 2017, arXiv:1706.02677)")
     optim.add_argument("--lrf", type=float, default=0.1,
                        help="final lr as a fraction of the initial (cosine schedule)")
-    optim.add_argument("--momentum", type=float, default=0.9)
-    optim.add_argument("--weight-decay", type=float, default=0.005)
+    optim.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    optim.add_argument("--weight-decay", type=float, default=0.005, help="SGD weight decay")
     optim.add_argument("--grad-accum-steps", type=int, default=1,
                        help="optimizer step every K batches; DDP syncs only on the K-th")
     optim.add_argument("--clip-grad-norm", type=float, default=None, help="max gradient norm")
@@ -162,10 +163,11 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                      help="keep only the newest K weights/model-{epoch}.pth (0: keep all)")
     run.add_argument("--eval-only", action=BoolFlag, default=False,
                      help="evaluate the resumed/--weights model and exit")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="data split, shuffling and init")
     run.add_argument("--print-freq", type=int, default=50,
                      help="reduce and show the running loss every N steps")
-    run.add_argument("--tensorboard", action=BoolFlag, default=True)
+    run.add_argument("--tensorboard", action=BoolFlag, default=True,
+                     help="write TensorBoard logs to <output-dir>/tensorboard")
     return parser
 
 
@@ -178,7 +180,16 @@ def setup_logging(rank: int) -> None:
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    _expect_worker_deaths()
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _expect_worker_deaths() -> None:
+    # DataLoader workers stop with us (torchrun signals the whole process group; multiprocessing
+    # terminates daemon children at exit). Their SIGCHLD would otherwise raise "DataLoader worker
+    # is killed by signal" in the middle of the clean-up and replace the interrupt. A no-op
+    # handler, not SIG_DFL: Python raises OSError for a pending signal whose handler went away.
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -202,6 +213,7 @@ def train(args: argparse.Namespace) -> None:
             log.error("error: %s", exc)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt as exc:
+        _expect_worker_deaths()
         signame = str(exc) or "SIGINT"
         if info is None or info.is_main:
             log.error("interrupted by %s; the last complete checkpoint is in %s - run the same "
@@ -253,7 +265,7 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
                           "or fix the folders.")
     train_p, train_y, val_p, val_y, warnings = split_train_val(scan.images, args.val_rate,
                                                                args.seed, scan.classes)
-    for warning in warnings:
+    for warning in warnings if info.is_main else ():  # same split on every rank: say it once
         log.warning(warning)
     if not val_p:
         raise DataError(f"the validation split of {root} is empty (val rate {args.val_rate}); "
@@ -303,12 +315,21 @@ def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> 
 
 
 def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
+    """The checkpoint every rank resumes from, decided by rank 0 (None: start fresh).
+
+    Only rank 0 writes checkpoints, so on several machines without a shared --output-dir the
+    other ranks would not find it and would silently start from epoch 0 with other weights.
+    """
     if args.resume in (None, "", "none"):
         return None
+    path = args.resume
     if args.resume == "auto":
-        path = out / "checkpoint.pth"
-        return str(path) if path.is_file() else None
-    return args.resume
+        path = str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
+    path = broadcast_object(path)
+    if path is not None and not all_ranks_ok(os.path.isfile(path)):
+        raise CheckpointError(f"checkpoint {path} is not readable on every rank; put --output-dir "
+                              "on storage all machines share, or copy the file to each of them.")
+    return path
 
 
 def _load_checkpoint(path: str, args: argparse.Namespace, num_classes: int) -> dict[str, Any]:
@@ -358,7 +379,16 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     resume_path = _resolve_resume(args, out)
     ckpt = _load_checkpoint(resume_path, args, num_classes) if resume_path else None
     if ckpt is not None:
-        model.load_state_dict(extract_state_dict(ckpt, resume_path))
+        state, own = extract_state_dict(ckpt, resume_path), model.state_dict()
+        # Checkpoints without recorded args (or from edited code) are checked by shape.
+        unfit = sorted(k for k in state.keys() | own.keys()
+                       if k not in state or k not in own or state[k].shape != own[k].shape)
+        if unfit:
+            raise CheckpointError(f"{resume_path} does not fit --model {args.model} with "
+                                  f"{num_classes} classes ({len(unfit)} tensor(s) differ, e.g. "
+                                  f"{unfit[0]}); resume with the model and data it was trained "
+                                  "on, or use another --output-dir.")
+        model.load_state_dict(state)
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     model_without_ddp = model

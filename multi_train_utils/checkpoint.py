@@ -56,8 +56,9 @@ def load_file(path: str | os.PathLike) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle errors, truncated zip, unsafe globals, ...
-        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({first}).") from None
+        detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint "
+                              f"({type(exc).__name__}{': ' + detail if detail else ''}).") from None
 
 
 def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1800.0
 
 
+class LaunchError(RuntimeError):
+    """The processes were started in a way that cannot work (one sentence, with the fix)."""
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job. Read it; never mutate ``args`` with it."""
@@ -88,11 +92,15 @@ def _pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"--device {requested} was asked for, but CUDA is not available here; "
+        raise LaunchError(f"--device {requested} was asked for, but CUDA is not available here; "
                            "use --device cpu (or auto).")
     count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise RuntimeError(f"local rank {local_rank} has no GPU: only {count} visible "
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if local_rank >= count == 1 and visible and "," not in visible:
+        # Each task was given its own GPU (SLURM --gpus-per-task=1): it is device 0 here.
+        local_rank = 0
+    elif local_rank >= count:
+        raise LaunchError(f"local rank {local_rank} has no GPU: only {count} visible "
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                            "start at most one process per GPU.")
     torch.cuda.set_device(local_rank)
@@ -193,8 +201,8 @@ def reduce_value(value: torch.Tensor | float, average: bool = True) -> torch.Ten
     with torch.no_grad():
         out = tensor.detach().clone()
         dist.all_reduce(out)
-        if average:
-            out /= get_world_size()
+        if average:  # true division: a mean of integer counts is fractional
+            out = out / get_world_size()
     return out
 
 

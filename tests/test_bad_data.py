@@ -1,0 +1,411 @@
+"""Bad data never kills a run: odd files are skipped and listed, user mistakes get one clear line.
+
+Most checks call the data helpers directly; a few launch the real script (plain python and
+torchrun with 2 gloo processes) to check exit codes, what the user reads and that every rank
+stops together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFile, ImageOps
+from torch.utils.data import DataLoader
+from torchvision.transforms import v2
+
+from conftest import TINY_FLAGS, run, torchrun_cmd
+from multi_train_utils.checkpoint import CheckpointError
+from multi_train_utils.distributed_utils import DistInfo
+from my_dataset import IGNORE_INDEX, MyDataSet, check_image, load_image_tensor, load_pil_image
+from train_common import _build_data, _build_model, get_args_parser
+from utils import DataError, read_split_data, scan_image_folder, split_train_val
+
+LAUNCH = "train_multi_gpu_using_launch.py"
+# Class folder names sort as Python sorts str: "café" < "red rose" < "single" < "日本".
+USED_CLASSES = ["café", "red rose", "single", "日本"]
+BAD_FILES = {  # name -> reason prefix as scan_image_folder reports it
+    "corrupt.jpg": "not a readable image",
+    "truncated.jpg": "not a readable image",
+    "zero.jpg": "empty file",
+    "notes.txt": "not an image extension",
+    ".DS_Store": "hidden file",
+    ".hidden.jpg": "hidden file",
+    "text.png": "not a readable image",
+    "dangling.jpg": "dangling link",
+}
+
+
+# ---------------------------------------------------------------- data builders
+def write_jpeg(path: Path, seed: int, size: tuple[int, int] = (32, 32)) -> Path:
+    rng = np.random.default_rng(seed)
+    colour = rng.integers(0, 256, 3, dtype=np.uint8)
+    pixels = np.clip(colour + rng.integers(-20, 20, (size[1], size[0], 3)), 0, 255)
+    Image.fromarray(pixels.astype(np.uint8)).save(path, quality=90)
+    return path
+
+
+def jpeg_without_scan(good: Path, path: Path) -> Path:
+    """A JPEG whose header (size, format) and end marker are intact but which has no image data:
+    it passes the cheap up-front check and fails only when decoded."""
+    data = good.read_bytes()
+    path.write_bytes(data[:data.index(b"\xff\xda")] + b"\xff\xd9")  # cut at start-of-scan
+    return path
+
+
+def make_class(folder: Path, n: int, seed: int) -> Path:
+    folder.mkdir(parents=True)
+    for i in range(n):
+        write_jpeg(folder / f"{i:02d}.jpg", seed * 100 + i)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def messy(tmp_path_factory) -> Path:
+    """Four usable classes (spaces, non-ASCII, a symlinked folder, one with a single image), an
+    empty class folder and every kind of junk file.
+
+    Usable images: café 6 + symlinked file = 7, red rose 6, single 1, 日本 6 -> 20.
+    """
+    base = tmp_path_factory.mktemp("messy")
+    root = base / "data"
+    rose = make_class(root / "red rose", 6, 1)
+    make_class(root / "café", 6, 2)
+    make_class(root / "single", 1, 3)
+    (root / "empty").mkdir()
+    outside = make_class(base / "elsewhere" / "japan", 6, 4)
+    (root / "日本").symlink_to(outside, target_is_directory=True)
+    (root / "café" / "linked.jpg").symlink_to(write_jpeg(base / "elsewhere" / "real.jpg", 99))
+    (root / "café" / "dangling.jpg").symlink_to(base / "elsewhere" / "gone.jpg")
+
+    good = (rose / "00.jpg").read_bytes()
+    (rose / "corrupt.jpg").write_bytes(np.random.default_rng(0).bytes(4000))
+    (rose / "truncated.jpg").write_bytes(good[:len(good) // 2])
+    (rose / "zero.jpg").write_bytes(b"")
+    (rose / "notes.txt").write_text("not an image")
+    (rose / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    (rose / ".hidden.jpg").write_bytes(good)
+    (rose / "text.png").write_text("this is text, not a PNG")
+    return root
+
+
+def two_class_data(root: Path, per_class: int) -> Path:
+    make_class(root / "a", per_class, 1)
+    make_class(root / "b", per_class, 2)
+    return root
+
+
+def combined(res) -> str:
+    return res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- scanning (unit level)
+def test_scan_skips_and_reports_every_kind_of_junk(messy):
+    scan = scan_image_folder(str(messy))
+    assert scan.classes == USED_CLASSES
+    assert [len(x) for x in scan.images] == [7, 6, 1, 6]
+    assert scan.dropped_classes == ["empty"]
+    # Symlinked file and symlinked class folder are followed.
+    assert str(messy / "café" / "linked.jpg") in scan.images[0]
+    assert all(p.startswith(str(messy / "日本")) for p in scan.images[3])
+    skipped = {Path(p).name: why for p, why in scan.skipped}
+    assert set(skipped) == set(BAD_FILES)
+    for name, reason in BAD_FILES.items():
+        assert skipped[name].startswith(reason), (name, skipped[name])
+    summary = scan.summary()
+    assert "20 images in 4 classes" in summary
+    assert "dropped 1 class folder(s) with no usable image: empty" in summary
+    assert summary.count("skipped 8 file(s)") == 1
+    assert "3 not a readable image" in summary and "2 hidden file" in summary
+    # Deterministic: what rank 0 broadcasts is what any rank would have found.
+    again = scan_image_folder(str(messy), threads=1)
+    assert (again.classes, again.images, again.skipped) == (scan.classes, scan.images,
+                                                            scan.skipped)
+
+
+def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        train_p, train_y, val_p, val_y = read_split_data(str(messy), 0.2, output_dir=str(tmp_path))
+    indices = json.loads((tmp_path / "class_indices.json").read_text(encoding="utf-8"))
+    assert indices == {str(i): c for i, c in enumerate(USED_CLASSES)}
+    assert len(train_p) + len(val_p) == 20 and set(train_y + val_y) == {0, 1, 2, 3}
+    assert 2 not in val_y  # "single" has its only image in training...
+    assert "class single has 1 image(s): none goes to validation" in caplog.text  # ...and says so
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist; expected a folder with one sub-folder of images per class"),
+    ("file", "is not a folder; expected a folder"),
+    ("no_subfolders", "has no class sub-folders"),
+    ("no_images", "no readable images found"),
+    ("one_class_left", "only one class with images"),
+])
+def test_scan_errors_say_what_and_where(tmp_path, case, message):
+    root = tmp_path / "data"
+    if case == "file":
+        root.write_text("x")
+    elif case == "no_subfolders":  # images straight in the root, no class folders
+        root.mkdir()
+        write_jpeg(root / "a.jpg", 0)
+    elif case == "no_images":
+        (root / "a").mkdir(parents=True)
+        (root / "b").mkdir()
+        (root / "b" / "readme.txt").write_text("hi")
+        (root / "b" / "bad.jpg").write_bytes(b"nope")
+    elif case == "one_class_left":  # one class emptied by the checks, one with images
+        make_class(root / "a", 3, 0)
+        (root / "b").mkdir()
+        (root / "b" / "zero.jpg").write_bytes(b"")
+    with pytest.raises(DataError) as err:
+        scan_image_folder(str(root))
+    assert message in str(err.value) and str(root) in str(err.value)
+
+
+def test_split_warns_for_class_without_val_image_and_val_rate_zero_is_empty():
+    images = [[f"a{i}" for i in range(5)], ["b0"]]
+    *_, val_y, warnings = split_train_val(images, 0.2, class_names=["a", "b"])
+    assert val_y == [0] and warnings == ["class b has 1 image(s): none goes to validation"]
+    _, train_y, val_p, _, warnings = split_train_val(images, 0.0)
+    assert val_p == [] and len(train_y) == 6 and warnings == []
+
+
+def test_build_data_rejects_empty_val_split_and_too_few_images(tmp_path):
+    root = two_class_data(tmp_path / "data", 4)
+    args = get_args_parser().parse_args(
+        ["--data-path", str(root), *TINY_FLAGS, "--output-dir", str(tmp_path / "out"),
+         "--val-rate", "0"])
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DataError, match=r"validation split of .* is empty \(val rate 0.0\)"):
+        _build_data(args, DistInfo(), tmp_path / "out")
+    # 8 images, 2 to val: 6 training images for 2 processes x 4 (single process here, the check
+    # only reads world_size; the torchrun test below runs it for real).
+    args.val_rate = 0.25
+    with pytest.raises(DataError, match=r"6 training images are fewer than world size 2 x "
+                                        r"batch size 4 = 8"):
+        _build_data(args, DistInfo(world_size=2), tmp_path / "out")
+
+
+# ---------------------------------------------------------------- checks and decoding
+def test_check_image_reads_headers_only(tmp_path, monkeypatch):
+    good = write_jpeg(tmp_path / "good.jpg", 0, (500, 375))
+    png = tmp_path / "good.png"
+    Image.open(good).save(png)
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(good.read_bytes()[:good.stat().st_size // 2])
+    assert check_image(str(truncated)).startswith("not a readable image")
+
+    def no_decode(self):
+        raise AssertionError("check_image decoded a complete file")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decode)
+    assert check_image(str(good)) is None and check_image(str(png)) is None
+    assert check_image(str(tmp_path / "missing.jpg")) == "dangling link or missing file"
+
+
+@pytest.mark.parametrize("decoder", ["tensor", "pil"])
+def test_unreadable_at_load_time_becomes_ignored_placeholder(tmp_path, decoder):
+    goods = [write_jpeg(tmp_path / f"{i}.jpg", i, (20, 12)) for i in range(5)]
+    broken = jpeg_without_scan(goods[0], tmp_path / "broken.jpg")
+    assert check_image(str(broken)) is None  # the up-front check cannot see this one
+    with pytest.raises(OSError):
+        load_image_tensor(str(broken))
+    paths = [str(p) for p in goods[:2]] + [str(broken)] + [str(p) for p in goods[2:]]
+    labels = [1, 1, 0, 1, 0, 1]
+    to_tensor = [] if decoder == "tensor" else [v2.PILToTensor()]
+    ds = MyDataSet(paths, labels, v2.Compose([*to_tensor, v2.Resize((8, 8), antialias=True)]),
+                   decoder=decoder)
+    loader = DataLoader(ds, batch_size=2, num_workers=2, collate_fn=MyDataSet.collate_fn)
+    images, got = zip(*loader)
+    images, got = torch.cat(images), torch.cat(got)
+    assert got.tolist() == [1, 1, IGNORE_INDEX, 1, 0, 1]
+    assert images.shape == (6, 3, 8, 8) and images.dtype == torch.uint8
+    assert images[2].sum() == 0 and images[3].float().mean() > 0  # black placeholder only
+
+
+def test_unreadable_image_is_reported_once(tmp_path, caplog):
+    broken = jpeg_without_scan(write_jpeg(tmp_path / "g.jpg", 0), tmp_path / "broken.jpg")
+    ds = MyDataSet([str(broken)], [3], decoder="tensor")
+    with caplog.at_level(logging.WARNING, logger="my_dataset"):
+        assert ds[0][1] == IGNORE_INDEX and ds[0][1] == IGNORE_INDEX
+    assert caplog.text.count(f"skipping unreadable image {broken}") == 1
+
+
+def _exif_jpeg(path: Path, orientation: int) -> Path:
+    # 48 wide x 24 high, four flat colour blocks, so a rotation is visible in shape and pixels.
+    pixels = np.zeros((24, 48, 3), np.uint8)
+    pixels[:12, :24], pixels[:12, 24:] = (255, 0, 0), (0, 255, 0)
+    pixels[12:, :24], pixels[12:, 24:] = (0, 0, 255), (255, 255, 0)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(pixels).save(path, quality=95, exif=exif)
+    return path
+
+
+def _write_mode(kind: str, path_base: Path) -> tuple[Path, np.ndarray, float]:
+    """A file in an awkward mode, the RGB pixels it must decode to ``(H, W, 3)`` and the
+    tolerance in levels (lossless: per pixel; JPEG: mean, decoders differ slightly)."""
+    ramp = np.tile(np.linspace(0, 255, 32).astype(np.uint8), (16, 1))
+    if kind == "L":
+        path = path_base.with_suffix(".png")
+        Image.fromarray(ramp, "L").save(path)
+        return path, np.repeat(ramp[..., None], 3, axis=2), 0
+    if kind == "P":
+        path = path_base.with_suffix(".png")
+        rgb = np.zeros((16, 32, 3), np.uint8)
+        rgb[:, 16:] = (200, 30, 90)
+        rgb[8:, :16] = (10, 220, 40)
+        Image.fromarray(rgb).convert("P", palette=Image.Palette.ADAPTIVE, colors=4).save(path)
+        assert Image.open(path).mode == "P"
+        return path, rgb, 0
+    if kind == "RGBA":
+        path = path_base.with_suffix(".png")
+        rgba = np.zeros((16, 32, 4), np.uint8)
+        rgba[..., 0], rgba[..., 1], rgba[..., 2] = ramp, 255 - ramp, 77
+        rgba[..., 3] = np.linspace(0, 255, 16).astype(np.uint8)[:, None]
+        Image.fromarray(rgba, "RGBA").save(path)
+        return path, rgba[..., :3], 0
+    if kind == "CMYK":
+        path = path_base.with_suffix(".jpg")
+        rgb = np.zeros((16, 32, 3), np.uint8)
+        rgb[:, :16], rgb[:, 16:] = (220, 40, 40), (30, 60, 200)
+        Image.fromarray(rgb).convert("CMYK").save(path, quality=95)
+        assert Image.open(path).mode == "CMYK"
+        return path, rgb, 3
+    if kind == "I;16":
+        path = path_base.with_suffix(".png")
+        values = np.tile(np.linspace(0, 65535, 32).astype(np.uint16), (16, 1))
+        values[:, 15] = 32768  # mid-gray must become ~128, not 255
+        Image.fromarray(values).save(path)
+        assert Image.open(path).mode.startswith("I;16")
+        return path, np.repeat((values >> 8).astype(np.uint8)[..., None], 3, axis=2), 1
+    orientation = int(kind.removeprefix("exif"))
+    path = _exif_jpeg(path_base.with_suffix(".jpg"), orientation)
+    with Image.open(path) as img:
+        assert img.size == (48, 24) and img.getexif()[0x0112] == orientation
+        expected = np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
+    assert expected.shape == (48, 24, 3)  # rotated: now 48 high, 24 wide
+    return path, expected, 3
+
+
+@pytest.mark.parametrize("kind", ["L", "P", "RGBA", "CMYK", "I;16", "exif6", "exif8"])
+def test_awkward_modes_decode_to_uint8_rgb(tmp_path, kind):
+    path, expected, tol = _write_mode(kind, tmp_path / "img")
+    tensor = load_image_tensor(str(path))
+    pil = load_pil_image(str(path))
+    assert pil.mode == "RGB"
+    pil = torch.from_numpy(np.array(pil)).permute(2, 0, 1)
+    want = torch.from_numpy(expected).permute(2, 0, 1)
+    for name, got in (("tensor", tensor), ("pil", pil)):
+        assert got.dtype == torch.uint8 and got.shape == want.shape, (name, got.shape)
+        err = (got.float() - want.float()).abs()
+        assert err.mean() <= tol, (name, float(err.mean()), float(err.max()))
+        if tol <= 1:  # lossless source: every pixel exact (16 -> 8 bit: within one level)
+            assert err.max() <= tol, (name, float(err.max()))
+    if kind == "I;16":
+        for got in (tensor, pil):
+            assert abs(int(got[0, 0, 15]) - 128) <= 1 and got[0, 0, 0] == 0 and got[0, 0, -1] == 255
+
+
+# ---------------------------------------------------------------- weights (unit level)
+@pytest.mark.parametrize("kind, message", [
+    ("list", "holds no model state dict"),
+    ("text", "is not a readable PyTorch checkpoint"),
+    ("no_match", "no tensor in .* matches the model"),
+    ("missing", "does not exist"),
+])
+def test_bad_weights_are_checkpoint_errors(tmp_path, kind, message):
+    path = tmp_path / "w.pth"
+    if kind == "list":
+        torch.save([torch.zeros(3)], path)
+    elif kind == "text":
+        path.write_text("these are not weights")
+    elif kind == "no_match":
+        torch.save({"encoder.weight": torch.zeros(3, 3)}, path)
+    args = get_args_parser().parse_args([*TINY_FLAGS, "--weights", str(path)])
+    with pytest.raises(CheckpointError, match=message) as err:
+        _build_model(args, DistInfo(), num_classes=3)
+    assert str(path) in str(err.value)
+
+
+# ---------------------------------------------------------------- as users run it
+def _plain(data: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, LAUNCH, "--data-path", str(data), *TINY_FLAGS, "--epochs", "1",
+            "--output-dir", str(out), *extra]
+
+
+def test_plain_python_user_errors_exit_2_with_one_line(tiny_data, tmp_path):
+    text_weights = tmp_path / "weights.pth"
+    text_weights.write_text("not weights")
+    missing = tmp_path / "no such folder"
+    cases = {  # name -> (command, substrings of the one error line)
+        "missing data path": (_plain(missing, tmp_path / "o1"),
+                              [str(missing), "does not exist", "expected a folder"]),
+        "num classes": (_plain(tiny_data, tmp_path / "o2", "--num-classes", "7"),
+                        ["--num-classes 7 disagrees with the 5 class folders", str(tiny_data)]),
+        "text weights": (_plain(tiny_data, tmp_path / "o3", "--weights", str(text_weights)),
+                         [str(text_weights), "not a readable PyTorch checkpoint"]),
+    }
+    # Independent processes: run them side by side (each is mostly Python start-up).
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = dict(zip(cases, pool.map(lambda c: run(c[0], timeout=120), cases.values())))
+    for name, (_, needles) in cases.items():
+        res = results[name]
+        assert res.returncode == 2, (name, combined(res)[-2000:])
+        errors = [line for line in res.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1, (name, res.stderr[-2000:])
+        for needle in needles:
+            assert needle in errors[0], (name, errors[0])
+        assert "Traceback" not in combined(res), name
+    assert not any(tmp_path.glob("o*/checkpoint.pth"))
+
+
+@pytest.mark.parametrize("case", ["data path is a file", "too few images"])
+def test_torchrun_user_errors_stop_every_rank(tmp_path, case):
+    if case == "data path is a file":
+        data = tmp_path / "data.zip"
+        data.write_bytes(b"PK")
+        needle = f"data path {data} is not a folder; expected a folder"
+        timeout = 60  # a rank left waiting in a collective would hit this
+    else:
+        data = two_class_data(tmp_path / "data", 4)  # 8 images, 2 for val -> 6 < 2 x 4
+        needle = "6 training images are fewer than world size 2 x batch size 4 = 8"
+        timeout = 90  # this one imports and scans first
+    res = run(torchrun_cmd(2, LAUNCH, "--data-path", str(data), *TINY_FLAGS, "--epochs", "1",
+                           "--val-rate", "0.25", "--output-dir", str(tmp_path / "out")),
+              timeout=timeout)
+    out = combined(res)
+    assert res.returncode != 0
+    assert out.count(needle) == 1, out[-3000:]  # rank 0 says it once; no rank hangs
+    assert "exitcode  : 2" in out  # the worker's own exit code, as torchrun reports it
+    assert not (tmp_path / "out" / "checkpoint.pth").exists()
+
+
+def test_torchrun_trains_through_messy_folder(messy, tmp_path):
+    out_dir = tmp_path / "out"
+    res = run(torchrun_cmd(2, LAUNCH, "--data-path", str(messy), *TINY_FLAGS, "--epochs", "1",
+                           "--output-dir", str(out_dir)), timeout=300)
+    out = combined(res)
+    assert res.returncode == 0, out[-4000:]
+    # Summary once (rank 0 only), with counts, each skipped file once, dropped class named.
+    assert out.count("20 images in 4 classes") == 1, out[-4000:]
+    assert out.count("skipped 8 file(s): 1 dangling link, 1 empty file, 2 hidden file, "
+                     "3 not a readable image, 1 not an image extension") == 1, out[-4000:]
+    for p in (messy / "red rose" / "corrupt.jpg", messy / "café" / "dangling.jpg"):
+        assert out.count(f"skipped {p}:") == 1
+    assert out.count("dropped 1 class folder(s) with no usable image: empty") == 1
+    assert out.count("class single has 1 image(s): none goes to validation") == 1
+    assert "skipping unreadable image" not in out  # the up-front check caught all of them
+    listed = (out_dir / "skipped_files.txt").read_text(encoding="utf-8").splitlines()
+    assert sorted(Path(line.split("\t")[0]).name for line in listed) == sorted(BAD_FILES)
+    indices = json.loads((out_dir / "class_indices.json").read_text(encoding="utf-8"))
+    assert indices == {str(i): c for i, c in enumerate(USED_CLASSES)}
+    ckpt = torch.load(out_dir / "checkpoint.pth", map_location="cpu", weights_only=True)
+    assert ckpt["epoch"] == 0 and ckpt["classes"] == USED_CLASSES
+    assert ckpt["model"]["fc.weight"].shape[0] == 4
+    assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 1

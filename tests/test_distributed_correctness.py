@@ -1,0 +1,514 @@
+"""Distributed training computes what one process would, on CPU with gloo.
+
+Each claim is checked against a plain single-process computation done here in the test:
+
+- ``evaluate`` is exact for any world size, although ``DistributedSampler`` pads with repeats;
+- ``SyncBatchNormCPU`` on split batches equals ``nn.BatchNorm2d`` on the whole batch, in forward,
+  backward and running statistics (and per-rank BatchNorm does not);
+- one DDP step on 2 x B samples equals one step on the 2B samples in one process;
+- all ranks hold the same weights after DDP construction and after ``train_one_epoch``;
+- ``reduce_value`` and the loss ``train_one_epoch`` returns/logs, and how few collectives it uses;
+- the training script is reproducible run to run, whatever the DataLoader worker count.
+
+Multi-rank checks fork 2-3 workers with a gloo group (``dist_helpers.run_ranks``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+
+from conftest import TINY_FLAGS, run, torchrun_cmd
+from dist_helpers import flat_state, run_ranks
+from model import get_model
+from multi_train_utils.distributed_utils import reduce_value
+from multi_train_utils.sync_batchnorm import SyncBatchNormCPU, convert_sync_batchnorm
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+
+CPU = torch.device("cpu")
+NUM_CLASSES = 7  # >= 5, so top-5 is not trivially every class
+
+
+def tiny_net(num_classes: int = NUM_CLASSES, *, bn: bool = True, dtype: torch.dtype = torch.float32,
+             seed: int | None = 0) -> nn.Sequential:
+    """``(N, 3, H, W) -> (N, num_classes)``: conv, optional BatchNorm, ReLU, pool, linear."""
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        layers: list[nn.Module] = [nn.Conv2d(3, 6, 3, padding=1)]
+        if bn:
+            layers.append(nn.BatchNorm2d(6))
+        layers += [nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, num_classes)]
+        return nn.Sequential(*layers).to(dtype)
+
+
+def _tols(dtype: torch.dtype) -> dict[str, float]:
+    return dict(rtol=1e-6, atol=1e-8) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ 1. exact evaluation
+VAL_SIZE = 11
+EVAL_BATCH = 5  # divides none of the per-rank shares: 11 (1 rank), 6 (2 ranks), 4 (3 ranks)
+
+
+@pytest.fixture(scope="module")
+def eval_case():
+    """A fixed eval-mode model and 11 samples whose labels are, in turn, the model's top-1
+    class, its 3rd-best class (a top-5 but not top-1 hit) and its worst class (a miss)."""
+    model = tiny_net()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # non-default BN statistics: eval mode must really use them
+        model[1].running_mean.copy_(torch.randn(6, generator=gen) * 0.3)
+        model[1].running_var.copy_(torch.rand(6, generator=gen) + 0.5)
+    model.eval()
+    images = torch.randn(VAL_SIZE, 3, 8, 8, generator=gen)
+    with torch.no_grad():
+        ranked = model(images).argsort(dim=1, descending=True)
+    labels = torch.stack([ranked[i, (0, 2, NUM_CLASSES - 1)[i % 3]] for i in range(VAL_SIZE)])
+    return model, images, labels
+
+
+def reference_eval(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The obvious loop: one sample at a time, one process."""
+    correct = top5 = 0
+    losses = []
+    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.long)
+    with torch.no_grad():
+        for x, y in zip(images, labels):
+            logits = model(x[None])[0]
+            pred = int(logits.argmax())
+            correct += pred == int(y)
+            top5 += int(y) in logits.topk(5).indices.tolist()
+            losses.append(F.cross_entropy(logits[None], y[None]).item())
+            confusion[int(y), pred] += 1
+    return dict(correct=correct, top5=top5, num_samples=len(labels),
+                loss=sum(losses) / len(losses), confusion=confusion)
+
+
+def _summary(result) -> dict:
+    return dict(correct=int(result), top5=result.top5_correct, num_samples=result.num_samples,
+                loss=result.loss, confusion=result.confusion)
+
+
+def _eval_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
+                 labels: torch.Tensor) -> dict:
+    dataset = TensorDataset(images, labels)
+    out = {}
+    for shuffle in (False, True):
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
+                                     seed=3)
+        sampler.set_epoch(5)
+        loader = DataLoader(dataset, batch_size=EVAL_BATCH, sampler=sampler)
+        out[f"shuffle={shuffle}"] = _summary(evaluate(model, loader, CPU))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_evaluate_is_exact_for_any_world_size(world_size, eval_case, tmp_path):
+    model, images, labels = eval_case
+    ref = reference_eval(model, images, labels)
+    assert (ref["correct"], ref["top5"]) == (4, 8)  # the fixture makes every count matter
+
+    if world_size == 1:  # no process group at all, with and without a sampler
+        per_rank = [_eval_worker(0, 1, model, images, labels)]
+        plain = DataLoader(TensorDataset(images, labels), batch_size=EVAL_BATCH)
+        per_rank[0]["no sampler"] = _summary(evaluate(model, plain, CPU))
+    else:
+        per_rank = run_ranks(_eval_worker, world_size, tmp_path, model, images, labels)
+
+    for rank, results in enumerate(per_rank):
+        for mode, got in results.items():
+            where = f"rank {rank}, {mode}"
+            assert got["num_samples"] == VAL_SIZE, where  # padded repeats are not counted
+            assert got["correct"] == ref["correct"], where
+            assert got["top5"] == ref["top5"], where
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), where
+            assert int(got["confusion"].sum()) == VAL_SIZE, where
+            assert torch.equal(got["confusion"], ref["confusion"]), where
+
+
+# ------------------------------------------------------------------ 2. SyncBatchNormCPU
+BN_CHANNELS = 3
+
+
+def _bn_init(dtype: torch.dtype, momentum: float | None) -> nn.BatchNorm2d:
+    bn = nn.BatchNorm2d(BN_CHANNELS, momentum=momentum)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.5, 1.5, -1.0]))
+        bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+        bn.running_mean.copy_(torch.tensor([0.5, -0.5, 1.0]))
+        bn.running_var.copy_(torch.tensor([2.0, 0.5, 1.0]))
+    return bn.to(dtype)
+
+
+def _bn_batches(sizes: tuple[int, int], dtype: torch.dtype) -> tuple[list, list]:
+    """Two iterations of (inputs, upstream gradients) over the whole batch ``sum(sizes)``.
+
+    The inputs have a mean far from 0 (float32 cancellation would show) and the second rank's
+    samples are shifted further, so per-rank statistics differ clearly from the global ones.
+    """
+    gen = torch.Generator().manual_seed(7)
+    n = sum(sizes)
+    xs, grads = [], []
+    for _ in range(2):
+        x = torch.randn(n, BN_CHANNELS, 4, 4, generator=gen, dtype=torch.float64) * 2 + 3
+        x[sizes[0]:] += 1.5
+        xs.append(x.to(dtype))
+        grad = torch.randn(n, BN_CHANNELS, 4, 4, generator=gen, dtype=torch.float64)
+        grads.append(grad.to(dtype))
+    return xs, grads
+
+
+def _syncbn_worker(rank: int, world: int, sizes: tuple[int, int], xs: list, grads: list,
+                   bn_init: nn.BatchNorm2d) -> dict:
+    lo = sum(sizes[:rank])
+    part = slice(lo, lo + sizes[rank])
+    sync = SyncBatchNormCPU.convert_sync_batchnorm(copy.deepcopy(bn_init))
+    plain = copy.deepcopy(bn_init)
+    steps = []
+    for x_full, g_full in zip(xs, grads):
+        x = x_full[part].clone().requires_grad_(True)
+        out = sync(x)
+        # The objective is the sum of every rank's loss: SyncBN's backward all-reduces the
+        # statistics' gradients, so x.grad is d(total)/dx; each rank's weight/bias gradient is its
+        # own share, and their sum (what DDP all-reduces) is the full-batch gradient.
+        loss = (out * g_full[part]).sum()
+        loss.backward()
+        summed = [loss.detach().clone(), sync.weight.grad.clone(), sync.bias.grad.clone()]
+        for tensor in summed:
+            dist.all_reduce(tensor)
+        sync.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            plain_out = plain(x_full[part])
+        steps.append(dict(out=out.detach(), x_grad=x.grad, loss=summed[0], weight_grad=summed[1],
+                          bias_grad=summed[2], plain_out=plain_out))
+    return dict(steps=steps, state=sync.state_dict(), plain_state=plain.state_dict())
+
+
+@pytest.mark.parametrize("sizes,dtype,momentum", [
+    ((4, 4), torch.float64, 0.1),
+    ((3, 5), torch.float64, None),  # unequal shares; cumulative running average
+    ((3, 5), torch.float32, 0.1),
+], ids=["equal-f64", "unequal-f64-cumulative", "unequal-f32"])
+def test_sync_batchnorm_cpu_equals_full_batch_batchnorm(sizes, dtype, momentum, tmp_path):
+    xs, grads = _bn_batches(sizes, dtype)
+    bn_init = _bn_init(dtype, momentum)
+    per_rank = run_ranks(_syncbn_worker, 2, tmp_path, sizes, xs, grads, bn_init)
+
+    ref = copy.deepcopy(bn_init)
+    ref_steps = []
+    for x_full, g_full in zip(xs, grads):
+        x = x_full.clone().requires_grad_(True)
+        out = ref(x)
+        loss = (out * g_full).sum()
+        loss.backward()
+        ref_steps.append(dict(out=out.detach(), x_grad=x.grad, loss=loss.detach(),
+                              weight_grad=ref.weight.grad.clone(), bias_grad=ref.bias.grad.clone()))
+        ref.zero_grad(set_to_none=True)
+
+    tol = _tols(dtype)
+    for rank, got in enumerate(per_rank):
+        part = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        for it, (step, want) in enumerate(zip(got["steps"], ref_steps)):
+            msg = f"rank {rank}, iteration {it}"
+            torch.testing.assert_close(step["out"], want["out"][part], **tol, msg=msg)
+            torch.testing.assert_close(step["x_grad"], want["x_grad"][part], **tol, msg=msg)
+            for key in ("loss", "weight_grad", "bias_grad"):
+                torch.testing.assert_close(step[key], want[key], **tol, msg=f"{msg}: {key}")
+        for key in ("running_mean", "running_var"):
+            torch.testing.assert_close(got["state"][key], ref.state_dict()[key], **tol)
+        assert int(got["state"]["num_batches_tracked"]) == 2
+
+        # Without the switch each rank normalises by its own half: visibly different numbers.
+        plain_gap = (got["steps"][-1]["plain_out"] - ref_steps[-1]["out"][part]).abs().max()
+        assert plain_gap > 0.05, f"rank {rank}: per-rank BN unexpectedly matches ({plain_gap})"
+        mean_gap = (got["plain_state"]["running_mean"] - ref.running_mean).abs().max()
+        assert mean_gap > 0.01, f"rank {rank}: per-rank running_mean matches ({mean_gap})"
+
+
+def test_sync_batchnorm_cpu_without_process_group_is_batchnorm():
+    assert not dist.is_initialized()
+    ref = _bn_init(torch.float64, 0.1)
+    sync = SyncBatchNormCPU.convert_sync_batchnorm(copy.deepcopy(ref))
+    assert isinstance(sync, SyncBatchNormCPU)
+    xs, grads = _bn_batches((3, 5), torch.float64)
+    for x_full, g_full in zip(xs, grads):
+        outs, x_grads = [], []
+        for module in (ref, sync):
+            x = x_full.clone().requires_grad_(True)
+            out = module(x)
+            (out * g_full).sum().backward()
+            outs.append(out.detach())
+            x_grads.append(x.grad)
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(x_grads[1], x_grads[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(sync.weight.grad, ref.weight.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sync.bias.grad, ref.bias.grad, rtol=0, atol=1e-12)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(sync.state_dict()[key], value, rtol=0, atol=1e-12)
+    ref.eval()
+    sync.eval()
+    torch.testing.assert_close(sync(xs[0]), ref(xs[0]), rtol=0, atol=1e-12)
+
+
+def test_convert_sync_batchnorm_on_cpu_converts_every_resnet18_bn():
+    model = get_model("resnet18", num_classes=5)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+                m.weight.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+    model.eval()
+    n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert n_bn == 20
+    params_before = [id(p) for p in model.parameters()]
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 32, 32, generator=gen)
+    with torch.no_grad():
+        out_before = model(x)
+
+    converted = convert_sync_batchnorm(model, CPU)
+    norms = [m for m in converted.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(norms) == n_bn and all(type(m) is SyncBatchNormCPU for m in norms)
+    assert not any(m.training for m in norms)
+    assert [id(p) for p in converted.parameters()] == params_before  # same Parameter objects
+    state_after = converted.state_dict()
+    assert list(state_after) == list(state_before)
+    assert all(torch.equal(state_after[k], v) for k, v in state_before.items())
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), out_before, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ 3. gradient averaging
+PER_RANK = 4
+
+
+def _ddp_step_worker(rank: int, world: int, model: nn.Module, xs: list, ys: list) -> dict:
+    model = SyncBatchNormCPU.convert_sync_batchnorm(copy.deepcopy(model))
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x[part]), y[part]).backward()  # mean over this rank's B samples
+        optimizer.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("bn", [False, True], ids=["no-bn", "sync-bn"])
+def test_ddp_step_equals_single_process_step_on_the_union(bn, tmp_path):
+    model = tiny_net(5, bn=bn, dtype=torch.float64, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2 * PER_RANK, 3, 6, 6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    ys = [torch.randint(0, 5, (2 * PER_RANK,), generator=gen) for _ in range(2)]
+    per_rank = run_ranks(_ddp_step_worker, 2, tmp_path, model, xs, ys)
+
+    ref = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for x, y in zip(xs, ys):  # two steps, so SGD's momentum buffer matters too
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(ref(x), y).backward()  # mean over all 2B samples
+        optimizer.step()
+
+    initial = model.state_dict()
+    for rank, state in enumerate(per_rank):
+        assert list(state) == list(ref.state_dict())
+        for key, want in ref.state_dict().items():
+            torch.testing.assert_close(state[key], want, rtol=1e-7, atol=1e-9,
+                                       msg=f"rank {rank}: {key}")
+    assert not torch.allclose(ref[0].weight, initial["0.weight"])  # the step moved something
+
+
+# ------------------------------------------------------------------ 4. ranks stay in lockstep
+def _gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return out
+
+
+def _lockstep_worker(rank: int, world: int, images: torch.Tensor, labels: torch.Tensor) -> dict:
+    torch.manual_seed(1000 + rank)  # deliberately different initial weights on each rank
+    model = SyncBatchNormCPU.convert_sync_batchnorm(tiny_net(5, seed=None))
+    before = flat_state(model)
+    ddp = DDP(model)
+    after_ddp = flat_state(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dataset = TensorDataset(images, labels)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_sampler=BatchSampler(sampler, 4, drop_last=True))
+    loss = train_one_epoch(ddp, optimizer, loader, CPU, 0, print_freq=2)
+    after_train = flat_state(model)
+    return dict(loss=loss, before=_gather(before), after_ddp=_gather(after_ddp),
+                after_train=_gather(after_train))
+
+
+def test_ranks_hold_identical_weights_after_ddp_and_after_an_epoch(tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    images = torch.randint(0, 256, (24, 3, 8, 8), generator=gen, dtype=torch.uint8)
+    labels = torch.randint(0, 5, (24,), generator=gen)
+    per_rank = run_ranks(_lockstep_worker, 2, tmp_path, images, labels)
+
+    for got in per_rank:
+        before, after_ddp, after_train = got["before"], got["after_ddp"], got["after_train"]
+        assert not torch.equal(before[0], before[1])  # the seeds really differed
+        # DDP's constructor broadcasts rank 0's parameters and buffers.
+        assert torch.equal(after_ddp[0], before[0]) and torch.equal(after_ddp[1], before[0])
+        # Averaged gradients + synchronised BN statistics keep every rank identical.
+        assert torch.equal(after_train[0], after_train[1])
+        assert not torch.equal(after_train[0], after_ddp[0])  # it did train
+    assert per_rank[0]["loss"] == per_rank[1]["loss"]
+
+
+# ------------------------------------------------------------------ 5. reduce_value
+def _reduce_worker(rank: int, world: int) -> dict:
+    tensor = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], dtype=torch.float64)
+    original = tensor.clone()
+    mean = reduce_value(tensor, average=True)
+    total = reduce_value(tensor, average=False)
+    scalar = reduce_value(float(rank + 1), average=False)
+    return dict(mean=mean, total=total, scalar=scalar, untouched=torch.equal(tensor, original))
+
+
+def test_reduce_value_mean_and_sum_on_every_rank(tmp_path):
+    for rank, got in enumerate(run_ranks(_reduce_worker, 3, tmp_path)):
+        assert torch.equal(got["mean"], torch.tensor([2.0, 20.0], dtype=torch.float64)), rank
+        assert torch.equal(got["total"], torch.tensor([6.0, 60.0], dtype=torch.float64)), rank
+        assert float(got["scalar"]) == 6.0, rank
+        assert got["untouched"], f"rank {rank}: reduce_value modified its input"
+
+
+def test_reduce_value_without_process_group_returns_the_value():
+    assert not dist.is_initialized()
+    tensor = torch.tensor([1.5, -2.0])
+    for average in (True, False):
+        out = reduce_value(tensor, average=average)
+        assert torch.equal(out, torch.tensor([1.5, -2.0]))
+    assert torch.equal(tensor, torch.tensor([1.5, -2.0]))
+    assert float(reduce_value(2.5)) == 2.5
+
+
+# ------------------------------------------------------------------ 6. loss logging
+LOG_SAMPLES, LOG_BATCH = 14, 3  # 7 per rank -> batches of 3, 3, 1: batch means != sample mean
+IGNORED = 4  # one unreadable sample (label -100): excluded from the mean, not counted as 0
+
+
+def _loss_log_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
+                     labels: torch.Tensor) -> dict:
+    dataset = TensorDataset(images, labels)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=LOG_BATCH, sampler=sampler)
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights never change
+    out = {}
+    for print_freq in (1000, 2):
+        logged: list[tuple[int, float]] = []
+        loss = train_one_epoch(ddp, optimizer, loader, CPU, 0, print_freq=print_freq,
+                               log_fn=lambda step, value, lr: logged.append((step, value)))
+        out[print_freq] = dict(loss=loss, logged=logged)
+
+    # Collectives made by train_one_epoch itself: the model is not DDP-wrapped here, so no
+    # gradient hook all-reduces; every call counted is the loop's own.
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(1)
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        for print_freq in (1000, 1):
+            calls.clear()
+            loss = train_one_epoch(model, optimizer, loader, CPU, 0, print_freq=print_freq)
+            out[f"all_reduce@{print_freq}"] = len(calls)
+            out[f"loss@{print_freq}"] = loss
+    finally:
+        dist.all_reduce = real_all_reduce
+    out["steps"] = len(loader)
+    return out
+
+
+def test_train_one_epoch_returns_exact_mean_loss_and_syncs_rarely(tmp_path):
+    model = tiny_net(5, bn=False, seed=5)  # no BN/dropout: train mode computes what eval does
+    gen = torch.Generator().manual_seed(6)
+    images = torch.randn(LOG_SAMPLES, 3, 6, 6, generator=gen)
+    labels = torch.randint(0, 5, (LOG_SAMPLES,), generator=gen)
+    labels[IGNORED] = -100
+    per_rank = run_ranks(_loss_log_worker, 2, tmp_path, model, images, labels)
+
+    with torch.no_grad():
+        per_sample = F.cross_entropy(model(images), labels, reduction="none", ignore_index=-100)
+    valid = labels != -100
+
+    def mean_over(indices: list[int]) -> float:
+        keep = [i for i in indices if valid[i]]
+        return float(per_sample[keep].double().mean())
+
+    everything = mean_over(list(range(LOG_SAMPLES)))
+    # DistributedSampler(shuffle=False) deals indices round-robin; after 2 of 3 steps each rank
+    # has seen its first 2 batches (6 samples).
+    first_two_steps = mean_over([i for r in range(2) for i in range(LOG_SAMPLES)[r::2][:6]])
+    assert abs(everything - first_two_steps) > 1e-4  # so the two checks below are distinct
+
+    for rank, got in enumerate(per_rank):
+        steps = got["steps"]
+        assert steps == 3
+        for key in (1000, 2):
+            assert got[key]["loss"] == pytest.approx(everything, rel=1e-6), (rank, key)
+        assert got["loss@1000"] == pytest.approx(everything, rel=1e-6)
+        assert got["loss@1"] == pytest.approx(everything, rel=1e-6)
+        # print_freq > steps: one log, at the last step, of the whole epoch's mean.
+        assert [s for s, _ in got[1000]["logged"]] == [steps - 1]
+        assert got[1000]["logged"][0][1] == pytest.approx(everything, rel=1e-6)
+        # print_freq 2: the running mean over every rank's samples so far, then the final one.
+        assert [s for s, _ in got[2]["logged"]] == [1, 2]
+        assert got[2]["logged"][0][1] == pytest.approx(first_two_steps, rel=1e-6)
+        assert got[2]["logged"][1][1] == pytest.approx(everything, rel=1e-6)
+        # No per-step collective: one all-reduce per epoch, or one per logged step.
+        assert got["all_reduce@1000"] == 1, got["all_reduce@1000"]
+        assert got["all_reduce@1"] == steps, got["all_reduce@1"]
+
+
+# ------------------------------------------------------------------ 7. reproducible end to end
+def _train(tiny_data: Path, out: Path, *extra: str) -> list[dict]:
+    res = run(torchrun_cmd(2, "train_multi_gpu_using_launch.py", "--data-path", str(tiny_data),
+                           *TINY_FLAGS, "--epochs", "2", "--output-dir", str(out), *extra))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "weights" / "model-1.pth", map_location="cpu", weights_only=True)
+
+
+def test_training_is_reproducible_and_seed_dependent(tiny_data, tmp_path):
+    runs = {"a": (), "b": (), "w2": ("--workers", "2"), "s1": ("--seed", "1")}
+    # Two jobs at a time: much of each run is interpreter start-up and rendezvous, not compute.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = {name: pool.submit(_train, tiny_data, tmp_path / name, *extra)
+                for name, extra in runs.items()}
+        first, again, workers, other_seed = (jobs[name].result() for name in runs)
+
+    def curve(metrics: list[dict]) -> list[tuple]:
+        return [(m["epoch"], m["train_loss"], m["val_acc"], m["val_loss"]) for m in metrics]
+
+    assert len(first) == 2
+    assert curve(again) == curve(first)
+    # MyDataSet seeds each sample's augmentation by (seed, epoch, index): worker count is moot.
+    assert curve(workers) == curve(first)
+    ref = _final_weights(tmp_path / "a")
+    for run_dir in ("b", "w2"):
+        weights = _final_weights(tmp_path / run_dir)
+        assert all(torch.equal(weights[k], v) for k, v in ref.items()), run_dir
+    assert [m["train_loss"] for m in other_seed] != [m["train_loss"] for m in first]

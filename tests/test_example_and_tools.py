@@ -1,0 +1,207 @@
+"""What users reach for around training: the own-project example, plots, TensorBoard, eval-only, --help.
+
+The example must train any model with ``multi_train_utils/`` alone, so it is also run from a
+folder holding nothing but a copy of that package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import ROOT, TINY_FLAGS, child_env, run, torchrun_cmd
+from utils import plot_data_loader_image, read_split_data
+
+EXAMPLE = "example_own_project.py"
+EPOCH_LINE = re.compile(r"epoch (\d+): train loss ([\d.]+)  val accuracy ([\d.]+) \((\d+)/(\d+)\)")
+TOP_LEVEL = ("train_common", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn",
+             "utils", "model", "my_dataset", "predict", "plot_results")
+
+
+def _epoch_lines(stdout: str) -> list[tuple[int, float, float, int, int]]:
+    return [(int(e), float(loss), float(acc), int(c), int(n))
+            for e, loss, acc, c, n in EPOCH_LINE.findall(stdout)]
+
+
+def _check_learned(lines: list[tuple[int, float, float, int, int]], epochs: int) -> None:
+    # One line per epoch (printed by rank 0 only), exact val count, far above chance (0.25).
+    assert [line[0] for line in lines] == list(range(epochs))
+    assert all(n == 1000 and c / n == pytest.approx(acc, abs=1e-4) for _, _, acc, c, n in lines)
+    assert lines[-1][1] < lines[0][1], "training loss did not fall"
+    assert lines[-1][2] > 0.8, f"final val accuracy {lines[-1][2]} barely above chance"
+
+
+# ---------------------------------------------------------------- own-project example
+def test_example_trains_with_torchrun_two_processes():
+    res = run(torchrun_cmd(2, EXAMPLE, "--device", "cpu", "--epochs", "3"), timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _check_learned(_epoch_lines(res.stdout), epochs=3)
+
+
+def test_multi_train_utils_and_example_work_copied_alone(tmp_path):
+    """Copy only multi_train_utils/ (+ the example): every module imports, the example trains."""
+    shutil.copytree(ROOT / "multi_train_utils", tmp_path / "multi_train_utils",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / EXAMPLE, tmp_path / EXAMPLE)
+    modules = sorted(p.stem for p in (tmp_path / "multi_train_utils").glob("*.py"))
+    assert len(modules) >= 5  # __init__, checkpoint, distributed_utils, sync_batchnorm, ...
+    # One interpreter (each costs seconds here): import every module, then run the example as
+    # `python example_own_project.py` would, then list what got imported.
+    check = (f"import importlib, importlib.util, runpy, sys\n"
+             f"assert importlib.util.find_spec('train_common') is None, 'the repo is on sys.path'\n"
+             f"for m in {modules!r}: importlib.import_module('multi_train_utils.' + m)\n"
+             f"sys.argv = [{EXAMPLE!r}, '--device', 'cpu', '--epochs', '2']\n"
+             f"runpy.run_path({EXAMPLE!r}, run_name='__main__')\n"
+             f"print('leaked', sorted(set({TOP_LEVEL!r}) & set(sys.modules)))\n")
+    env = child_env()
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "leaked []" in res.stdout
+    _check_learned(_epoch_lines(res.stdout), epochs=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [EXAMPLE, "multi_train_utils"]
+
+
+# ---------------------------------------------------------------- utils plots
+def test_plot_data_loader_image_saves_same_picture_for_uint8_and_normalised(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "red", "1": "blue"}))
+    images = torch.zeros(4, 3, 16, 16, dtype=torch.uint8)
+    images[0::2, 0] = 230  # red
+    images[1::2, 2] = 200  # blue
+    labels = torch.tensor([0, 1, 0, 1])
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    normalised = (images.float() / 255 - mean) / std
+
+    raw = plot_data_loader_image(DataLoader(TensorDataset(images, labels), batch_size=4),
+                                 save_path=tmp_path / "raw.png")
+    norm = plot_data_loader_image(DataLoader(TensorDataset(normalised, labels), batch_size=4),
+                                  save_path=tmp_path / "norm.png")
+    default = plot_data_loader_image(DataLoader(TensorDataset(images, labels), batch_size=4))
+    assert Path(raw) == tmp_path / "raw.png" and Path(norm) == tmp_path / "norm.png"
+    assert Path(default).resolve() == (tmp_path / "data_loader_batch.png").resolve()
+    a = np.asarray(Image.open(raw).convert("RGB"), dtype=np.float64)
+    b = np.asarray(Image.open(norm).convert("RGB"), dtype=np.float64)
+    assert a.shape == b.shape
+    # De-normalised for display: the two pictures match (up to float rounding).
+    assert np.abs(a - b).mean() < 1.0
+    # ... and show the colours: plenty of strongly red and strongly blue pixels.
+    red = (a[..., 0] > 180) & (a[..., 2] < 60)
+    blue = (a[..., 2] > 150) & (a[..., 0] < 60)
+    assert red.sum() > 100 and blue.sum() > 100
+
+
+def test_read_split_data_writes_class_indices_and_distribution(tiny_data, tmp_path):
+    train_p, train_y, val_p, val_y = read_split_data(str(tiny_data), plot_image=True,
+                                                     output_dir=str(tmp_path))
+    classes = sorted(p.name for p in tiny_data.iterdir() if p.is_dir())
+    indices = json.loads((tmp_path / "class_indices.json").read_text())
+    assert indices == {str(i): c for i, c in enumerate(classes)}
+    with Image.open(tmp_path / "class_distribution.png") as img:
+        assert img.format == "PNG" and img.size[0] > 100
+    assert len(train_p) + len(val_p) == 60 and not set(train_p) & set(val_p)
+    assert set(train_y) == set(val_y) == set(range(len(classes)))
+    # Every path sits in the folder of its label.
+    assert all(Path(p).parent.name == classes[y] for p, y in zip(train_p + val_p, train_y + val_y))
+
+
+# ---------------------------------------------------------------- TensorBoard and eval-only
+@pytest.fixture(scope="module")
+def tb_run(tiny_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tb") / "run"
+    res = run([sys.executable, "train_multi_gpu_using_launch.py", *TINY_FLAGS, "--tensorboard",
+               "--data-path", str(tiny_data), "--epochs", "1", "--output-dir", str(out)],
+              timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_tensorboard_logs_scalars_images_and_confusion_matrix(tb_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((tb_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(tb_run / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in ("loss", "accuracy", "learning_rate", "val_loss", "images_per_sec", "step/loss"):
+        assert tag in tags["scalars"], f"scalar {tag!r} missing; have {tags['scalars']}"
+    assert {"train_images_augmented", "confusion_matrix"} <= set(tags["images"])
+    # The scalars are the numbers metrics.jsonl recorded for the same epoch.
+    (record,) = [json.loads(line) for line in (tb_run / "metrics.jsonl").read_text().splitlines()]
+    for tag, key in (("loss", "train_loss"), ("accuracy", "val_acc"), ("val_loss", "val_loss"),
+                     ("learning_rate", "lr")):
+        (event,) = acc.Scalars(tag)
+        assert event.step == 0 and event.value == pytest.approx(record[key], rel=1e-4, abs=1e-6)
+    step_losses = acc.Scalars("step/loss")
+    assert len(step_losses) >= 2 and all(e.value > 0 for e in step_losses)
+    (image,) = acc.Images("confusion_matrix")
+    assert image.width > 50 and image.height > 50
+
+
+def test_eval_only_reports_accuracy_without_training(tb_run, tiny_data, tmp_path):
+    out = tmp_path / "eval"
+    res = run([sys.executable, "train_multi_gpu_using_launch.py", *TINY_FLAGS,
+               "--data-path", str(tiny_data), "--eval-only", "--resume",
+               str(tb_run / "checkpoint.pth"), "--output-dir", str(out)], timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = res.stdout + res.stderr
+    (record,) = [json.loads(line) for line in (tb_run / "metrics.jsonl").read_text().splitlines()]
+    top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", text).group(1))
+    assert top1 == pytest.approx(record["val_acc"], abs=1e-4)  # same weights, same val split
+    classes = json.loads((tb_run / "class_indices.json").read_text()).values()
+    per_class = {m[0]: float(m[1]) for m in re.findall(r"^\s+(\w+): ([\d.]+)$", text, re.M)}
+    assert set(per_class) == set(classes) and all(0 <= v <= 1 for v in per_class.values())
+    # No training: no progress bars, no epoch lines, no checkpoint or metrics written.
+    assert "[train epoch" not in text and "[epoch" not in text
+    assert not {"checkpoint.pth", "metrics.jsonl", "weights", "tensorboard"} & {
+        p.name for p in out.iterdir()}
+    assert len((tb_run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- --help
+HELP_EXPECT = {
+    "train_multi_gpu_using_launch": ["data:", "model:", "optimisation:", "distributed:", "run:",
+                                     "(default: 30)", "(default: resnet34)", "(default: env://)"],
+    "train_multi_gpu_using_spawn": ["distributed:", "--world-size", "--nnodes", "--node-rank",
+                                    "(default: 30)", "(default: 1)"],
+    "predict": ["model:", "inference:", "--weights", "(default: 5)"],
+    "plot_results": ["output:", "--out-dir", "(default: 120)"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(HELP_EXPECT))
+def test_help_shows_groups_and_defaults(script, capsys, monkeypatch):
+    # In-process (each script's own parser, as its __main__ block builds it): four fresh
+    # interpreters importing torch cost a minute on a loaded 2-core machine.
+    monkeypatch.setenv("COLUMNS", "100")
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.get_args_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines by terminal width
+    assert text.startswith("usage: ")
+    for expected in HELP_EXPECT[script]:
+        assert expected in text, f"{script}.py --help lacks {expected!r}"
+    if script == "train_multi_gpu_using_launch":  # torchrun, not a flag, sets the process count
+        assert "--world-size" not in text
+
+
+def test_readme_shows_the_example_verbatim():
+    """The README's "own project" code is this tested file, so it cannot drift from working code."""
+    example = (ROOT / "example_own_project.py").read_text()
+    assert "```python\n" + example + "```" in (ROOT / "README.md").read_text()

@@ -1,0 +1,305 @@
+"""Jobs that span machines, simulated on localhost: two torchrun nodes, SLURM tasks, spawn nodes.
+
+Each "node" is its own launcher process with its own ``--output-dir``, so "only global rank 0
+writes files" is visible: exactly one of the two folders may exist. A small probe (written to
+tmp_path, run in place of ``python train_multi_gpu_using_launch.py``) records each rank's place in
+the job and a digest of its weights after every evaluation, to show the ranks stay identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_FLAGS, child_env
+from multi_train_utils import distributed_utils
+from multi_train_utils.distributed_utils import find_free_port
+
+LAUNCH = "train_multi_gpu_using_launch.py"
+
+PROBE = '''\
+"""Run a launcher script, recording rank and a weight digest after every evaluate()."""
+import hashlib, json, os, runpy, sys
+
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+import train_common
+
+_evaluate = train_common.evaluate
+_init = train_common.init_distributed_mode
+info = None
+
+
+{digest_src}
+
+def init_distributed_mode(*args, **kwargs):
+    global info
+    info = _init(*args, **kwargs)
+    return info
+
+
+def evaluate(model, *args, **kwargs):
+    result = _evaluate(model, *args, **kwargs)
+    record = dict(rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
+                  group_rank=dist.get_rank(), node=os.environ["PROBE_NODE"], top1=result.top1,
+                  digest=state_digest(getattr(model, "module", model).state_dict()))
+    with open(os.path.join(os.environ["PROBE_DIR"], "rank%d.jsonl" % info.rank), "a") as f:
+        f.write(json.dumps(record) + "\\n")
+    return result
+
+
+train_common.init_distributed_mode = init_distributed_mode
+train_common.evaluate = evaluate
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name and bytes: equal only if bit-identical."""
+    digest = hashlib.sha256()
+    for name, tensor in state.items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture
+def probe(tmp_path) -> tuple[Path, Path]:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE.format(root=str(ROOT), digest_src=inspect.getsource(state_digest)))
+    records = tmp_path / "probe"
+    records.mkdir()
+    return script, records
+
+
+def _start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
+    with log.open("w") as handle:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=handle,
+                                stderr=subprocess.STDOUT)
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:  # never leave a node waiting for its dead peer
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for i, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"node {i} exit {proc.returncode}:\n{log.read_text()[-4000:]}"
+
+
+def _read_probe(records: Path) -> dict[int, list[dict]]:
+    return {int(p.stem[4:]): [json.loads(line) for line in p.read_text().splitlines()]
+            for p in records.glob("rank*.jsonl")}
+
+
+def _check_one_writer(outs: list[Path], writer: int, epochs: int) -> dict:
+    """Only ``outs[writer]`` exists, holds a finished 2-process run; returns its checkpoint."""
+    for i, out in enumerate(outs):
+        assert out.exists() == (i == writer), f"node {i} output dir exists: {out.exists()}"
+    out = outs[writer]
+    assert json.loads((out / "args.json").read_text())["world_size"] == 2
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == epochs
+    assert sorted(p.name for p in (out / "weights").iterdir()) == [
+        f"model-{e}.pth" for e in range(epochs)]
+    ckpt = torch.load(out / "checkpoint.pth", map_location="cpu", weights_only=True)
+    assert ckpt["epoch"] == epochs - 1 and ckpt["args"]["world_size"] == 2
+    assert len(ckpt["rng_states"]) == 2  # gathered from both processes
+    return ckpt
+
+
+def _check_ranks_agree(records: dict[int, list[dict]], ckpt: dict, epochs: int) -> None:
+    assert sorted(records) == [0, 1]
+    for rank, rows in records.items():  # DistInfo agrees with the process group it created
+        assert len(rows) == epochs and all(
+            r["rank"] == r["group_rank"] == rank and r["world_size"] == 2 for r in rows)
+    for rank0, rank1 in zip(records[0], records[1]):  # after every epoch, bit-identical weights
+        assert rank0["digest"] == rank1["digest"] and rank0["top1"] == rank1["top1"]
+    assert records[0][-1]["digest"] == state_digest(ckpt["model"])  # and rank 0 saved exactly them
+
+
+# ---------------------------------------------------------------- torchrun, two nodes
+def test_torchrun_two_nodes_c10d_rendezvous(tiny_data, tmp_path, probe):
+    script, records = probe
+    port = find_free_port()
+    outs = [tmp_path / f"node{n}" / "out" for n in range(2)]
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    procs = [_start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                     "--nproc_per_node=1", f"--node_rank={n}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=join_timeout=120",
+                     str(script), LAUNCH, *TINY_FLAGS, "--data-path", str(tiny_data),
+                     "--epochs", "2", "--output-dir", str(outs[n])],
+                    logs[n], PROBE_DIR=str(records), PROBE_NODE=str(n))
+             for n in range(2)]
+    _wait_all(procs, logs)
+
+    probed = _read_probe(records)
+    # c10d hands out global ranks at rendezvous (--node_rank is ignored), so either node may be
+    # rank 0; each node runs local rank 0, and the two nodes got different global ranks.
+    assert {(r[0]["local_rank"], r[0]["node"]) for r in probed.values()} == {(0, "0"), (0, "1")}
+    writer = int(probed[0][0]["node"])
+    ckpt = _check_one_writer(outs, writer, epochs=2)
+    _check_ranks_agree(probed, ckpt, epochs=2)
+    assert "[epoch 1]" in logs[writer].read_text() and "[epoch" not in logs[1 - writer].read_text()
+
+
+# ---------------------------------------------------------------- SLURM
+def test_slurm_two_tasks(tiny_data, tmp_path, probe):
+    script, records = probe
+    port = str(find_free_port())
+    outs = [tmp_path / f"task{n}" / "out" for n in range(2)]
+    logs = [tmp_path / f"task{n}.log" for n in range(2)]
+    procs = [_start([sys.executable, str(script), LAUNCH, *TINY_FLAGS, "--data-path",
+                     str(tiny_data), "--epochs", "1", "--output-dir", str(outs[n])], logs[n],
+                    SLURM_PROCID=str(n), SLURM_LOCALID=str(n), SLURM_NTASKS="2",
+                    SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                    PROBE_DIR=str(records), PROBE_NODE=str(n))
+             for n in range(2)]
+    _wait_all(procs, logs)
+
+    probed = _read_probe(records)
+    # SLURM_PROCID is the global rank, SLURM_LOCALID the local one.
+    assert {(rank, r[0]["node"], r[0]["local_rank"]) for rank, r in probed.items()} == {
+        (0, "0", 0), (1, "1", 1)}
+    ckpt = _check_one_writer(outs, writer=0, epochs=1)
+    _check_ranks_agree(probed, ckpt, epochs=1)
+
+    # Resuming with output dirs that are not shared (simulated by a relative --output-dir seen
+    # from each task's own folder): rank 1 cannot read rank 0's checkpoint. Every rank must stop
+    # with one clear message instead of silently restarting from epoch 0 with other weights.
+    port = str(find_free_port())
+    procs = []
+    for n in range(2):
+        outs[n].parent.mkdir(exist_ok=True)
+        with logs[n].open("w") as handle:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / LAUNCH), *TINY_FLAGS, "--data-path", str(tiny_data),
+                 "--epochs", "2", "--output-dir", "out"], cwd=outs[n].parent, stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=child_env(SLURM_PROCID=str(n), SLURM_LOCALID=str(n), SLURM_NTASKS="2",
+                              SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
+    for proc in procs:
+        assert proc.wait(timeout=120) == 2
+    text = logs[0].read_text()
+    assert text.count("is not readable on every rank") == 1 and "Traceback" not in text
+    assert "Traceback" not in logs[1].read_text()
+    assert len((outs[0] / "metrics.jsonl").read_text().splitlines()) == 1  # nothing trained
+
+
+# ---------------------------------------------------------------- SLURM environment parsing
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _clear_env(monkeypatch, keys) -> None:
+    for key in keys:
+        monkeypatch.setenv(key, "")  # recorded, so monkeypatch restores the original later
+        monkeypatch.delenv(key)
+
+
+@pytest.fixture
+def slurm_env(monkeypatch, tmp_path):
+    """No launcher variables set, and no scontrol on PATH (as outside a SLURM allocation)."""
+    _clear_env(monkeypatch, [k for k in os.environ if k.startswith("SLURM_")] + list(LAUNCH_VARS))
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    return monkeypatch
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node[01-04],gpu7", "node01"),
+    ("gpu-a,gpu-b", "gpu-a"),
+    ("node[1,3-5],other[2-3]", "node1"),
+    ("rack-[07-09]", "rack-07"),
+    ("single", "single"),
+])
+def test_slurm_master_addr_without_scontrol(slurm_env, nodelist, first):
+    slurm_env.setenv("SLURM_JOB_NODELIST", nodelist)
+    assert distributed_utils._slurm_master_addr() == first
+
+
+def test_slurm_master_addr_fallbacks_and_scontrol(slurm_env, tmp_path):
+    assert distributed_utils._slurm_master_addr() == "127.0.0.1"  # no node list at all
+    slurm_env.setenv("SLURM_NODELIST", "old[5-6]")  # the older variable name
+    assert distributed_utils._slurm_master_addr() == "old5"
+    # Where scontrol exists it decides (it knows every node-list syntax).
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nprintf 'expanded-a\\nexpanded-b\\n'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    slurm_env.setenv("PATH", str(fake.parent))
+    assert distributed_utils._slurm_master_addr() == "expanded-a"
+
+
+def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
+    slurm_env.setenv("SLURM_PROCID", "5")
+    slurm_env.setenv("SLURM_LOCALID", "1")
+    slurm_env.setenv("SLURM_NTASKS", "8")
+    slurm_env.setenv("SLURM_JOB_NODELIST", "gpu[3-6]")
+    slurm_env.setenv("SLURM_JOB_ID", "123456")
+    assert distributed_utils._read_env() == (5, 1, 8)
+    # Every task derives the same address and port without talking to the others.
+    assert os.environ["MASTER_ADDR"] == "gpu3"
+    assert os.environ["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    # An explicit MASTER_ADDR/MASTER_PORT wins.
+    slurm_env.setenv("MASTER_ADDR", "10.0.0.9")
+    slurm_env.setenv("MASTER_PORT", "29555")
+    distributed_utils._read_env()
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.9", "29555")
+    # One task (e.g. `srun -n1` or an interactive allocation) is a plain single process.
+    slurm_env.setenv("SLURM_NTASKS", "1")
+    assert distributed_utils._read_env() is None
+    # torchrun inside a SLURM job: torchrun's variables take precedence.
+    slurm_env.setenv("SLURM_NTASKS", "8")
+    for key, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0")):
+        slurm_env.setenv(key, value)
+    assert distributed_utils._read_env() == (3, 0, 4)
+
+
+# ---------------------------------------------------------------- spawn launcher, several nodes
+def test_spawn_node_rank_sets_global_ranks(monkeypatch):
+    """``--nnodes 2 --node-rank 1`` with 2 processes per node: ranks 2 and 3 of 4.
+
+    (In-process: an end-to-end two-node spawn run re-imports the training stack in four
+    interpreters, over a minute on 2 cores; the torchrun and SLURM runs above cover the rest.)
+    """
+    import train_multi_gpu_using_spawn as spawn
+
+    _clear_env(monkeypatch, LAUNCH_VARS)
+    seen = []
+    monkeypatch.setattr(spawn, "train", lambda args: seen.append(
+        {k: os.environ[k] for k in LAUNCH_VARS}))
+    args = spawn.get_args_parser().parse_args(["--nnodes", "2", "--node-rank", "1"])
+    for local_rank in range(2):
+        spawn._worker(local_rank, args, 2, "10.1.2.3", 29400)
+    common = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3",
+              "MASTER_PORT": "29400"}
+    assert seen == [{"RANK": "2", "LOCAL_RANK": "0", **common},
+                    {"RANK": "3", "LOCAL_RANK": "1", **common}]
+
+
+def test_spawn_several_nodes_need_a_shared_address(monkeypatch, capsys):
+    import train_multi_gpu_using_spawn as spawn
+
+    _clear_env(monkeypatch, LAUNCH_VARS)
+    args = spawn.get_args_parser().parse_args(["--device", "cpu", "--world-size", "1",
+                                               "--nnodes", "2", "--node-rank", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        spawn.main(args)  # exits before starting any process
+    assert "--dist-url tcp://HOST:PORT" in str(exit_info.value.code)

@@ -1,0 +1,582 @@
+"""Never lose a run: full checkpoints, exact resume, elastic restarts and clean shutdown.
+
+Every test starts the launchers as a user would (torchrun or the spawn launcher, 2 CPU processes
+on gloo) and checks what is left on disk and in the process table afterwards. Killed runs are
+started in their own session and every process ever seen below them is killed in teardown, so a
+failing test leaves nothing behind.
+
+Budget: one uninterrupted 3-epoch torchrun run (``run_a``) is the reference; the interrupted
+runs are compared with it tensor for tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_FLAGS, child_env, run, torchrun_cmd
+from model import get_model
+from multi_train_utils.checkpoint import CheckpointError, load_file, save_atomic
+from multi_train_utils.distributed_utils import find_free_port
+
+LAUNCH = "train_multi_gpu_using_launch.py"
+SPAWN = "train_multi_gpu_using_spawn.py"
+EPOCHS = 3
+COMPARED = ("epoch", "train_loss", "val_acc", "val_loss", "val_top5", "lr")
+
+# In-process runs (train_here) decode with torchvision.io, which warns about its own future.
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
+
+
+# ---------------------------------------------------------------- helpers
+def flags(data: Path, out: Path, *extra: str, workers: int = 0) -> list[str]:
+    """TINY_FLAGS with another worker count, plus data, output dir and ``extra``."""
+    base = list(TINY_FLAGS)
+    base[base.index("--workers") + 1] = str(workers)
+    return [*base, "--seed", "0", "--data-path", str(data), "--output-dir", str(out), *extra]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` now (SO_REUSEADDR, as TCPStore itself does:
+    connections in TIME_WAIT do not block a new listener, a live one does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, ..., starttime at 19]."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+class ProcessTree:
+    """A launcher started in its own session, plus every process ever seen below it.
+
+    Processes are identified by (pid, start time) so a recycled pid is never mistaken for ours.
+    torchrun puts each worker in a session of its own, so killing the launcher's process group
+    is not enough: ``kill_all`` kills every process recorded here.
+    """
+
+    def __init__(self, cmd: list[str], log_path: Path, **env: str) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # a file, not a pipe: a full pipe would stall the run
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.root = (self.proc.pid, _stat(self.proc.pid)[19])
+        self.seen: dict[tuple[int, str], int] = {}  # (pid, start) -> parent pid
+
+    def refresh(self) -> list[tuple[int, str]]:
+        """Record the current descendants; returns them."""
+        children: dict[int, list[tuple[int, str]]] = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and (fields := _stat(int(entry.name))) and fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            parent = todo.pop()
+            for child in children.get(parent, []):
+                self.seen.setdefault(child, parent)
+                found.append(child)
+                todo.append(child[0])
+        return found
+
+    def children(self, pid: int | None = None) -> list[int]:
+        """Live direct children of ``pid`` (default: the launcher), oldest first."""
+        pid = pid or self.proc.pid
+        live = [p for p in self.refresh() if self.seen[p] == pid]
+        return [p for p, _ in sorted(live, key=lambda p: (int(p[1]), p[0]))]
+
+    @staticmethod
+    def alive(ident: tuple[int, str]) -> bool:
+        fields = _stat(ident[0])
+        return fields is not None and fields[19] == ident[1] and fields[0] not in "ZX"
+
+    def alive_seen(self) -> list[int]:
+        return [pid for pid, start in self.seen if self.alive((pid, start))]
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def fail(self, what: str) -> None:
+        pytest.fail(f"{what}\n--- launcher output (tail) ---\n{self.output()[-4000:]}")
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            self.refresh()
+            if self.proc.poll() is not None:
+                self.fail(f"the run exited with {self.proc.returncode} before {what}")
+            if time.monotonic() > deadline:
+                self.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+            time.sleep(0.2)
+
+    def wait_all_gone(self, timeout: float) -> float:
+        """Seconds until the launcher and every recorded descendant have exited."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is None:
+                self.refresh()
+            elif not self.alive_seen():
+                return time.monotonic() - start
+            time.sleep(0.2)
+        self.fail(f"still running {timeout:.0f}s after the signal: launcher "
+                  f"{'exited' if self.proc.poll() is not None else 'alive'}, "
+                  f"descendants alive: {self.alive_seen()}")
+
+    def kill_all(self) -> None:
+        if self.proc.poll() is None:
+            self.refresh()
+        for pid, start in list(self.seen) + [self.root]:
+            if self.alive((pid, start)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            self._log.close()
+
+
+@pytest.fixture
+def launched(tmp_path):
+    """``launched(cmd, **env)`` starts a ProcessTree; everything in it is killed at teardown."""
+    trees: list[ProcessTree] = []
+
+    def start(cmd: list[str], **env: str) -> ProcessTree:
+        tree = ProcessTree(cmd, tmp_path / f"launcher-{len(trees)}.log", **env)
+        trees.append(tree)
+        return tree
+
+    yield start
+    for tree in trees:
+        tree.kill_all()
+
+
+def epochs_done(out: Path, n: int) -> Callable[[], bool]:
+    return lambda: len(read_metrics(out)) >= n
+
+
+# ---------------------------------------------------------------- reference run
+@pytest.fixture(scope="module")
+def run_a(tiny_data, tmp_path_factory) -> Path:
+    """An uninterrupted 3-epoch torchrun run (2 processes, --workers 0): the reference."""
+    out = tmp_path_factory.mktemp("run_a")
+    result = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", str(EPOCHS))))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+# ---------------------------------------------------------------- 1. checkpoint contents
+def test_checkpoint_holds_everything_needed_to_resume(run_a):
+    ckpt = load_ckpt(run_a / "checkpoint.pth")
+    assert {"model", "optimizer", "lr_scheduler", "epoch", "best_acc", "args", "rng_states",
+            "metrics"} <= ckpt.keys()
+    assert ckpt["epoch"] == EPOCHS - 1
+
+    # The bare model (no DDP "module." prefix), loadable strictly into a fresh resnet18.
+    assert not [k for k in ckpt["model"] if k.startswith(("module.", "_orig_mod."))]
+    get_model("resnet18", num_classes=5).load_state_dict(ckpt["model"])
+
+    # SGD with momentum: one buffer per parameter after training; the schedule stepped per epoch.
+    n_params = len(list(get_model("resnet18", num_classes=5).parameters()))
+    assert len(ckpt["optimizer"]["state"]) == n_params
+    assert all("momentum_buffer" in s for s in ckpt["optimizer"]["state"].values())
+    assert ckpt["lr_scheduler"]["last_epoch"] == EPOCHS
+
+    assert ckpt["args"]["model"] == "resnet18" and ckpt["args"]["num_classes"] == 5
+    assert ckpt["args"]["world_size"] == 2
+
+    # One RNG state per rank, and the ranks' streams differ (seed + rank).
+    assert len(ckpt["rng_states"]) == 2
+    assert all({"torch", "python", "numpy"} <= s.keys() for s in ckpt["rng_states"])
+    assert ckpt["rng_states"][0]["torch"] != ckpt["rng_states"][1]["torch"]
+
+    # The history in the checkpoint is exactly metrics.jsonl, one line per epoch.
+    lines = read_metrics(run_a)
+    assert [m["epoch"] for m in lines] == list(range(EPOCHS))
+    assert ckpt["metrics"] == lines
+    assert ckpt["best_acc"] == pytest.approx(max(m["val_acc"] for m in lines))
+
+    # model_best.pth is the first epoch that reached best_acc; per-epoch bare weights all kept.
+    best = load_ckpt(run_a / "model_best.pth")
+    assert best["epoch"] == next(m["epoch"] for m in lines if m["val_acc"] == max(
+        x["val_acc"] for x in lines))
+    weights = sorted(p.name for p in (run_a / "weights").iterdir())
+    assert weights == [f"model-{e}.pth" for e in range(EPOCHS)]
+    last = load_ckpt(run_a / "weights" / f"model-{EPOCHS - 1}.pth")
+    assert_same_tensors(last, ckpt["model"])
+    first = load_ckpt(run_a / "weights" / "model-0.pth")
+    assert not torch.equal(first["fc.weight"], last["fc.weight"])  # it did train
+
+
+# ---------------------------------------------------------------- 2. atomic save
+@pytest.mark.parametrize("crash", [OSError("No space left on device"),
+                                   KeyboardInterrupt("SIGTERM")], ids=["disk-full", "signal"])
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, crash):
+    path = tmp_path / "checkpoint.pth"
+    save_atomic({"epoch": 0, "w": torch.arange(4.0)}, path)
+    real_save = torch.save
+
+    def dies_halfway(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        f.truncate(f.tell() // 2)  # half the bytes are on disk when the process dies
+        raise crash
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(type(crash)):
+        save_atomic({"epoch": 1, "w": torch.zeros(1000)}, path)
+    monkeypatch.undo()
+
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]  # no temp file left
+    ckpt = load_file(path)
+    assert ckpt["epoch"] == 0 and torch.equal(ckpt["w"], torch.arange(4.0))
+
+    save_atomic({"epoch": 1}, path)  # and the next save still replaces it
+    assert load_file(path)["epoch"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"epoch": 0, "w": torch.zeros(1000)}, path)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):
+        load_file(path)
+
+
+# ---------------------------------------------------------------- 3 + 7a. SIGTERM, then resume
+@pytest.fixture(scope="module")
+def sigterm_run(tiny_data, tmp_path_factory):
+    """torchrun (fixed rendezvous port, --workers 2, --keep-last 1) stopped by SIGTERM in epoch 1.
+
+    Returns what the shutdown left: timings, exit code, output, the snapshot of processes and
+    the command, which ``test_resume_*`` runs again.
+    """
+    out = tmp_path_factory.mktemp("run_b")
+    port = find_free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=resume-test",
+           LAUNCH, *flags(tiny_data, out, "--epochs", str(EPOCHS), "--keep-last", "1", workers=2)]
+    tree = ProcessTree(cmd, out.parent / f"{out.name}-leg1.log")
+    try:
+        tree.wait_for(epochs_done(out, 1), "epoch 0's checkpoint")
+        # 2 trainers, each with 2 persistent train + 2 persistent val DataLoader workers.
+        tree.wait_for(lambda: len(tree.refresh()) >= 10, "the DataLoader workers", timeout=60)
+        time.sleep(1.0)  # into epoch 1
+        snapshot = [p for p in tree.refresh() if tree.alive(p)]
+        tree.proc.send_signal(signal.SIGTERM)
+        seconds = tree.wait_all_gone(timeout=90)
+        free = port_is_free(port)
+        yield dict(out=out, cmd=cmd, port=port, seconds=seconds, snapshot=snapshot,
+                   returncode=tree.proc.returncode, free=free, output=tree.output())
+    finally:
+        tree.kill_all()
+
+
+def test_sigterm_to_torchrun_stops_every_process_cleanly(sigterm_run):
+    r = sigterm_run
+    assert len(r["snapshot"]) >= 10, "DataLoader workers were running when the signal came"
+    assert r["seconds"] < 60, f"shutdown took {r['seconds']:.0f}s"
+    assert r["returncode"] != 0
+    # Rank 0 unwound through its SIGTERM handler (not torchrun's SIGKILL after 30 s).
+    assert "interrupted by SIGTERM" in r["output"], r["output"][-3000:]
+    # The loader workers got torchrun's SIGTERM too; their deaths are expected, not an error.
+    assert "DataLoader worker" not in r["output"], r["output"][-3000:]
+    assert "OSError" not in r["output"], r["output"][-3000:]
+    assert r["free"], f"rendezvous port {r['port']} still in use after the run ended"
+    ckpt = load_ckpt(r["out"] / "checkpoint.pth")  # intact: the last save was atomic
+    assert ckpt["epoch"] in (0, 1)
+    assert [m["epoch"] for m in ckpt["metrics"]] == list(range(ckpt["epoch"] + 1))
+
+
+def test_resume_after_sigterm_matches_uninterrupted_run(sigterm_run, run_a):
+    """Same command again (same port, --workers 2): the result equals run A (--workers 0)
+    tensor for tensor, and each epoch is in metrics.jsonl exactly once with A's numbers."""
+    out = sigterm_run["out"]
+    result = run(sigterm_run["cmd"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stderr
+
+    ours, reference = read_metrics(out), read_metrics(run_a)
+    assert [m["epoch"] for m in ours] == list(range(EPOCHS))
+    assert [{k: m[k] for k in COMPARED} for m in ours] == \
+           [{k: m[k] for k in COMPARED} for m in reference]
+
+    final, ref = load_ckpt(out / "checkpoint.pth"), load_ckpt(run_a / "checkpoint.pth")
+    assert final["epoch"] == EPOCHS - 1
+    assert_same_tensors(final["model"], ref["model"])
+    for a, b in zip(final["optimizer"]["state"].values(), ref["optimizer"]["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    # --keep-last 1: only the newest per-epoch weights remain.
+    assert sorted(p.name for p in (out / "weights").iterdir()) == [f"model-{EPOCHS - 1}.pth"]
+
+
+# ---------------------------------------------------------------- 4. wrong --resume files
+def test_resume_from_text_file_is_one_error_line(tiny_data, tmp_path):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("not a checkpoint\n")
+    argv = flags(tiny_data, tmp_path / "out", "--resume", str(bogus))
+    result = run([sys.executable, LAUNCH, *argv], timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(bogus) in errors[0], result.stderr[-3000:]
+    assert "not a readable PyTorch checkpoint" in errors[0]
+
+
+@pytest.fixture
+def train_here(monkeypatch, capfd):
+    """Run ``train_common.train`` in this process as one process (no launcher): returns
+    (exit code, stderr). Logging, signal handlers and thread count are restored afterwards."""
+    import train_common
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_WORLD_SIZE", "SLURM_PROCID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, signal.getsignal(signal.SIGTERM))
+
+    def call(argv: list[str]) -> tuple[int, str]:
+        capfd.readouterr()
+        args = train_common.get_args_parser().parse_args(argv)
+        code = 0
+        try:
+            train_common.train(args)
+        except SystemExit as exc:  # anything else would be a traceback for the user
+            code = exc.code
+        return code, capfd.readouterr().err
+
+    yield call
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    signal.signal(signal.SIGTERM, saved[2])
+
+
+def _three_class_copy(data: Path, dest: Path) -> Path:
+    for folder in sorted(p for p in data.iterdir() if p.is_dir())[:3]:
+        shutil.copytree(folder, dest / folder.name)
+    return dest
+
+
+@pytest.mark.parametrize("case", ["bare-state-dict", "other-model-args", "other-classes-args",
+                                  "other-model-no-args", "other-classes-no-args"])
+def test_resume_from_unusable_checkpoint_exits_2(case, run_a, tiny_data, tmp_path, train_here):
+    data, extra = tiny_data, []
+    path = tmp_path / "given.pth"
+    if case == "bare-state-dict":
+        shutil.copy(run_a / "weights" / "model-0.pth", path)
+        expect = "--weights"
+    elif case == "other-model-args":  # our own checkpoint, another --model
+        shutil.copy(run_a / "checkpoint.pth", path)
+        extra, expect = ["--model", "resnet34"], "model=resnet18"
+    elif case == "other-classes-args":  # our own checkpoint (5 classes), a 3-class dataset
+        shutil.copy(run_a / "checkpoint.pth", path)
+        data, expect = _three_class_copy(tiny_data, tmp_path / "three"), "num_classes=5"
+    elif case == "other-model-no-args":  # a checkpoint without recorded args: shapes decide
+        torch.save({"model": get_model("resnet34", num_classes=5).state_dict(), "epoch": 0}, path)
+        expect = "resnet18"
+    else:
+        torch.save({"model": get_model("resnet18", num_classes=3).state_dict(), "epoch": 0}, path)
+        expect = "fc."
+    argv = flags(data, tmp_path / "out", "--resume", str(path), *extra)
+    code, err = train_here(argv)
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(path) in errors[0] and expect in errors[0], err[-3000:]
+    assert not (tmp_path / "out" / "checkpoint.pth").exists()
+
+
+def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)  # a finished 3-epoch run is there
+    code, err = train_here(flags(tiny_data, out, "--resume", "none", "--epochs", "1",
+                                 "--batch-size", "16"))
+    assert code == 0, err[-3000:]
+    assert "resumed from" not in err
+    assert [m["epoch"] for m in read_metrics(out)] == [0]
+    ckpt = load_ckpt(out / "checkpoint.pth")
+    assert ckpt["epoch"] == 0 and [m["epoch"] for m in ckpt["metrics"]] == [0]
+    assert ckpt["args"]["batch_size"] == 16
+
+
+# ---------------------------------------------------------------- 5. elastic restart
+def _local_rank(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((v[len(b"LOCAL_RANK="):].decode() for v in env if v.startswith(b"LOCAL_RANK=")),
+                None)
+
+
+def test_torchrun_restarts_after_a_worker_is_killed(run_a, tiny_data, tmp_path, launched):
+    """kill -9 local rank 1 in epoch 1: torchrun --max-restarts=1 restarts the group, which
+    resumes from the last checkpoint and ends exactly where the uninterrupted run ended."""
+    out = tmp_path / "out"
+    tree = launched(torchrun_cmd(2, "--max-restarts=1", LAUNCH,
+                                 *flags(tiny_data, out, "--epochs", str(EPOCHS))))
+    tree.wait_for(epochs_done(out, 1), "epoch 0's checkpoint")
+    time.sleep(1.0)  # into epoch 1
+    victims = [p for p in tree.children() if _local_rank(p) == "1"]
+    assert len(victims) == 1, f"workers: {[(p, _local_rank(p)) for p in tree.children()]}"
+    os.kill(victims[0], signal.SIGKILL)
+
+    try:
+        tree.proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        tree.fail("torchrun did not finish within 300 s after the restart")
+    output = tree.output()
+    assert tree.proc.returncode == 0, output[-4000:]
+    assert "resumed from" in output, output[-4000:]  # the restarted group continued
+    assert not tree.alive_seen()
+
+    ours = read_metrics(out)
+    assert [m["epoch"] for m in ours] == list(range(EPOCHS))
+    assert [{k: m[k] for k in COMPARED} for m in ours] == \
+           [{k: m[k] for k in COMPARED} for m in read_metrics(run_a)]
+    assert_same_tensors(load_ckpt(out / "checkpoint.pth")["model"],
+                        load_ckpt(run_a / "checkpoint.pth")["model"])
+
+
+# ---------------------------------------------------------------- 6. spawn: a child dies
+def _spawn_children(tree: ProcessTree) -> list[int]:
+    """The training processes of the spawn launcher (not multiprocessing's resource tracker)."""
+    kids = []
+    for pid in tree.children():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            kids.append(pid)
+    return kids
+
+
+def test_spawn_launcher_stops_all_when_a_child_dies(tiny_data, tmp_path, launched):
+    out = tmp_path / "out"
+    tree = launched([sys.executable, SPAWN, "--world-size", "2",
+                     *flags(tiny_data, out, "--epochs", str(EPOCHS))],
+                    MASTER_PORT=str(find_free_port()))
+    tree.wait_for(lambda: (out / "args.json").is_file() and len(_spawn_children(tree)) == 2,
+                  "training to start")
+    time.sleep(1.0)
+    rank1 = _spawn_children(tree)[1]  # started second: local rank 1
+    os.kill(rank1, signal.SIGKILL)
+
+    seconds = tree.wait_all_gone(timeout=90)
+    output = tree.output()
+    assert seconds < 60, f"took {seconds:.0f}s"
+    assert tree.proc.returncode not in (0, None), output[-3000:]
+    failed = [line for line in output.splitlines() if "failed" in line and "rank 1" in line]
+    assert failed, output[-3000:]
+    assert "SIGKILL" in failed[0] and "run the same command again" in failed[0]
+
+
+# ---------------------------------------------------------------- 7b. spawn: Ctrl-C
+def test_sigint_to_spawn_launcher_stops_every_process_cleanly(run_a, tiny_data, tmp_path,
+                                                              launched):
+    """Resume A's finished 3 epochs to a 4th, Ctrl-C in it: all processes (DataLoader workers
+    too) are gone, the port is free, and A's checkpoint is still there, intact."""
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    port = find_free_port()
+    tree = launched([sys.executable, SPAWN, "--world-size", "2",
+                     *flags(tiny_data, out, "--epochs", str(EPOCHS + 1), workers=2)],
+                    MASTER_PORT=str(port))
+    # Wait until each trainer has its 2 train-loader workers (children of its own).
+    tree.wait_for(lambda: len(kids := _spawn_children(tree)) == 2
+                  and all(len(tree.children(k)) >= 2 for k in kids), "the DataLoader workers")
+    time.sleep(1.0)
+    snapshot = [p for p in tree.refresh() if tree.alive(p)]
+    tree.proc.send_signal(signal.SIGINT)
+
+    seconds = tree.wait_all_gone(timeout=90)
+    output = tree.output()
+    assert len(snapshot) >= 6, snapshot  # 2 trainers + 4 loader workers (+ resource tracker)
+    assert seconds < 60, f"shutdown took {seconds:.0f}s"
+    assert tree.proc.returncode == 130, output[-3000:]
+    assert "stopped by SIGINT" in output and "resumed from" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert port_is_free(port)
+    ckpt = load_ckpt(out / "checkpoint.pth")
+    assert ckpt["epoch"] in (EPOCHS - 1, EPOCHS)
+
+
+# ---------------------------------------------------------------- 8. --dist-timeout
+_PEER = textwrap.dedent("""
+    import argparse, os, sys, time
+    import torch
+    import torch.distributed as dist
+    from multi_train_utils.distributed_utils import init_distributed_mode
+    info = init_distributed_mode(argparse.Namespace(device="cpu", dist_url="env://",
+                                                    dist_timeout=float(sys.argv[1])))
+    if info.rank == 1:
+        time.sleep(120)  # stuck: never joins the collective
+        sys.exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        print("NO ERROR", flush=True)
+    except Exception as exc:
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+    os._exit(0)
+""")
+
+
+def test_dist_timeout_turns_a_stuck_peer_into_an_error(tmp_path, launched):
+    port = str(find_free_port())
+    env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT))
+    rank0 = launched([sys.executable, "-c", _PEER, "3"], RANK="0", LOCAL_RANK="0", **env)
+    rank1 = launched([sys.executable, "-c", _PEER, "3"], RANK="1", LOCAL_RANK="1", **env)
+    try:
+        rank0.proc.wait(timeout=90)  # the peer sleeps 120 s: only the timeout ends this early
+    except subprocess.TimeoutExpired:
+        rank0.fail("rank 0 still waiting for its stuck peer after 90 s (timeout was 3 s)")
+    output = rank0.output()
+    assert "RAISED after" in output, output[-3000:]
+    assert float(output.split("RAISED after ")[1].split("s:")[0]) < 60
+    assert "timed out" in output.lower() or "timeout" in output.lower(), output[-3000:]
+    assert rank1.proc.poll() is None  # the peer really was still there, just not participating
+
