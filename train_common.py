@@ -449,9 +449,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
             grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
             print_freq=args.print_freq, channels_last=channels_last,
-            log_fn=(lambda step, loss, lr_: (writer.add_scalar("step/loss", loss, step),
-                                              writer.add_scalar("step/lr", lr_, step)))
-            if writer else None)
+            log_fn=_step_logger(writer))
         train_seconds = time.perf_counter() - t0
         lr_used = optimizer.param_groups[0]["lr"]
         scheduler.step()
@@ -497,6 +495,17 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 writer.flush()
     if writer:
         writer.close()
+
+
+def _step_logger(writer):
+    """``log_fn`` for train_one_epoch: running loss and lr every --print-freq steps."""
+    if writer is None:
+        return None
+
+    def log_step(step: int, loss: float, lr: float) -> None:
+        writer.add_scalar("step/loss", loss, step)
+        writer.add_scalar("step/lr", lr, step)
+    return log_step
 
 
 def _write_metrics(path: Path, history: list[dict[str, Any]]) -> None:

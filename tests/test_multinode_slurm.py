@@ -194,8 +194,14 @@ def test_slurm_two_tasks(tiny_data, tmp_path, probe):
                 env=child_env(SLURM_PROCID=str(n), SLURM_LOCALID=str(n), SLURM_NTASKS="2",
                               SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
-    for proc in procs:
-        assert proc.wait(timeout=120) == 2
+    try:
+        codes = [proc.wait(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert codes == [2, 2], [log.read_text()[-2000:] for log in logs]
     text = logs[0].read_text()
     assert text.count("is not readable on every rank") == 1 and "Traceback" not in text
     assert "Traceback" not in logs[1].read_text()
