@@ -31,7 +31,8 @@ from multi_train_utils.distributed_utils import (DistInfo, LaunchError, all_gath
                                                  all_ranks_ok, broadcast_object, cleanup,
                                                  init_distributed_mode)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import EvalResult, evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_amp_dtype,
+                                               train_one_epoch)
 from my_dataset import MyDataSet
 from utils import (DataError, default_demo_root, get_transforms, make_demo_data,
                    plot_class_distribution, scan_image_folder, split_train_val, write_json_atomic)
@@ -346,15 +347,6 @@ def _load_checkpoint(path: str, args: argparse.Namespace, num_classes: int) -> d
     return ckpt
 
 
-def _amp_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype | None:
-    enabled = device.type == "cuda" if args.amp is None else args.amp
-    if not enabled:
-        return None
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16
-    return torch.bfloat16
-
-
 def _jsonable(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     return {k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v))
             for k, v in {**vars(args), **extra}.items()}
@@ -399,7 +391,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     if args.compile:
         model = torch.compile(model)
 
-    amp_dtype = _amp_dtype(args, device)
+    amp_dtype = resolve_amp_dtype(args.amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     lr = args.lr * info.world_size if args.scale_lr else args.lr
     params = [p for p in model_without_ddp.parameters() if p.requires_grad]

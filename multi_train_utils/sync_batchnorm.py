@@ -23,23 +23,31 @@ class _AllReduceSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
         out = tensor.clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over the union of all ranks' batches; plain BatchNorm in one process.
 
     Input ``(N, C, *)`` -> output of the same shape. State-dict keys equal ``BatchNorm2d``'s.
+    ``process_group``: whose ranks share statistics (default: all).
     """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: dist.ProcessGroup | None = None, **kwargs) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, **kwargs)
+        self.process_group = process_group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -62,7 +70,7 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         dims = [d for d in range(input.dim()) if d != 1]
         count = torch.full((1,), input.numel() / channels, dtype=input.dtype, device=input.device)
         stats = torch.cat([centred.sum(dims), (centred * centred).sum(dims), count])
-        stats = _AllReduceSum.apply(stats)
+        stats = _AllReduceSum.apply(stats, self.process_group)
         total = stats[-1]
         if total.item() < 2:
             raise ValueError("SyncBatchNorm needs more than one value per channel over all ranks "
@@ -86,12 +94,13 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         return out
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
+    def convert_sync_batchnorm(cls, module: nn.Module,
+                               process_group: dist.ProcessGroup | None = None) -> nn.Module:
         """Replace every ``_BatchNorm`` in ``module`` by this class, keeping parameters/buffers."""
         converted = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats)
+                            module.track_running_stats, process_group=process_group)
             if module.affine:
                 with torch.no_grad():
                     converted.weight = module.weight
@@ -101,15 +110,19 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
             converted.num_batches_tracked = module.num_batches_tracked
             converted.training = module.training
         for name, child in module.named_children():
-            converted.add_module(name, cls.convert_sync_batchnorm(child))
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
         return converted
 
 
-def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
-    """torch's SyncBatchNorm on CUDA (fused kernels), :class:`SyncBatchNormCPU` elsewhere."""
+def convert_sync_batchnorm(module: nn.Module, device: torch.device,
+                           process_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """torch's SyncBatchNorm on CUDA (fused kernels), :class:`SyncBatchNormCPU` elsewhere.
+
+    ``process_group``: whose ranks share statistics (default: all), as in torch's.
+    """
     if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    return SyncBatchNormCPU.convert_sync_batchnorm(module)
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    return SyncBatchNormCPU.convert_sync_batchnorm(module, process_group)
 
 
 __all__ = ["SyncBatchNormCPU", "convert_sync_batchnorm"]

@@ -51,6 +51,19 @@ def prepare_images(images: torch.Tensor, device: torch.device, *, channels_last:
     return images
 
 
+def resolve_amp_dtype(amp: bool | None, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``--amp`` (None: on for CUDA only); None means full precision.
+
+    bf16 where the hardware has it (no loss scaling needed), else fp16 with a GradScaler.
+    """
+    enabled = device.type == "cuda" if amp is None else amp
+    if not enabled:
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
 def _autocast(device: torch.device, amp_dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=amp_dtype or torch.bfloat16,
                           enabled=amp_dtype is not None)
@@ -243,5 +256,5 @@ def _reduce_confusion(confusion: torch.Tensor) -> torch.Tensor:
     return reduce_value(confusion, average=False).round().long().cpu().view(side, side)
 
 
-__all__ = ["train_one_epoch", "evaluate", "EvalResult", "prepare_images", "IGNORE_INDEX",
+__all__ = ["train_one_epoch", "evaluate", "EvalResult", "prepare_images", "resolve_amp_dtype", "IGNORE_INDEX",
            "IMAGENET_MEAN", "IMAGENET_STD"]
