@@ -238,7 +238,7 @@ def all_ranks_ok(ok: bool) -> bool:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; no fixed 12355)."""
+    """A TCP port that was free a moment ago (the OS picks it, so two jobs never share one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
