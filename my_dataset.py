@@ -25,9 +25,10 @@ from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms.v2 import functional as TF
 
+from multi_train_utils.train_eval_utils import IGNORE_INDEX  # nn.CrossEntropyLoss's default
+
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100  # nn.CrossEntropyLoss's default ignore_index
 _JPEG_END = b"\xff\xd9"
 _PNG_END = b"IEND"
 

@@ -18,13 +18,12 @@ import torch
 from torchvision.transforms import v2
 
 from multi_train_utils.distributed_utils import is_main_process
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401 (re-export)
 from my_dataset import check_image
 
 log = logging.getLogger(__name__)
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class DataError(ValueError):
