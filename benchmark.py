@@ -56,8 +56,9 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import Dataset
 
 from model import MODELS, get_model
-from multi_train_utils.distributed_utils import (DistInfo, cleanup, find_free_port,
-                                                 init_distributed_mode, set_launch_env)
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup, find_free_port,
+                                                 init_distributed_mode, register_comm_hook,
+                                                 set_launch_env)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, prepare_images,
                                                 resolve_amp_dtype, train_one_epoch)
@@ -279,9 +280,13 @@ def _channels_last(args: argparse.Namespace, device: torch.device) -> bool:
     return device.type == "cuda" if args.channels_last is None else args.channels_last
 
 
-def _build(args: argparse.Namespace, device: torch.device, world_size: int = 1
+def _build(args: argparse.Namespace, device: torch.device, world_size: int = 1,
+           comm_hook: str | None = None
            ) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
-    """Model, optimizer and scaler as ``train_common`` builds them (SyncBN, DDP, compile)."""
+    """Model, optimizer and scaler as ``train_common`` builds them (SyncBN, DDP, compile).
+
+    ``world_size`` 1 builds the single-process model (no SyncBN, no DDP) even inside a group.
+    """
     model = get_model(args.model, num_classes=args.num_classes)
     if args.sync_bn and world_size > 1:
         model = convert_sync_batchnorm(model, device)
@@ -292,6 +297,7 @@ def _build(args: argparse.Namespace, device: torch.device, world_size: int = 1
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
+        register_comm_hook(model, comm_hook or args.comm_hook)
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(params, lr=args.lr * world_size, momentum=0.9, weight_decay=0.005)
@@ -434,9 +440,31 @@ def _peak_host_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
 
+def _time_all_reduce(numel: int, dtype: torch.dtype, device: torch.device, repeats: int = 5
+                     ) -> float:
+    """Median milliseconds of one all-reduce of ``numel`` elements, with nothing else running."""
+    tensor = torch.ones(numel, dtype=dtype, device=device)
+    dist.all_reduce(tensor)  # warm-up: connections and buffers
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port: int,
-                    result_dir: str) -> None:
-    """One rank: the training script's model set-up, then timed ``train_one_epoch`` calls."""
+                    result_dir: str, variant: str = "ddp", comm_hook: str = "none") -> None:
+    """One rank: the training script's model set-up, then timed ``train_one_epoch`` calls.
+
+    ``variant`` "ddp" is the training script's set-up with ``comm_hook``; "no_comm" trains the
+    single-process model (no DDP, no SyncBN) in every process at once, so no gradient crosses
+    between them: the process group only lines up the repeats. Its efficiency is the most the
+    hardware allows N processes (shared cores, caches and memory bandwidth), whatever DDP does.
+    """
     set_launch_env(rank=local_rank, local_rank=local_rank, world_size=nprocs,
                    master_addr="127.0.0.1", master_port=port,
                    extra=[("LOCAL_WORLD_SIZE", str(nprocs))])
@@ -450,7 +478,8 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
             torch.backends.cudnn.benchmark = True
             torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(args.seed)
-        model, optimizer, scaler = _build(args, device, info.world_size)
+        model, optimizer, scaler = _build(args, device,
+                                          info.world_size if variant == "ddp" else 1, comm_hook)
         # Each rank its own data, as DistributedSampler gives it; same steps on every rank.
         batches = _synthetic_batches(args, args.steps, args.seed + info.rank,
                                      pin=device.type == "cuda")
@@ -469,10 +498,51 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
         if device.type == "cuda":
             result["peak_cuda_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
             result["peak_cuda_reserved_mib"] = torch.cuda.max_memory_reserved(device) / 2**20
+        if variant == "ddp" and info.distributed and comm_hook == "none":
+            # What the gradient all-reduce costs on its own: the floor under DDP's overhead.
+            numel = sum(p.numel() for p in optimizer.param_groups[0]["params"])
+            result["all_reduce_ms"] = {
+                "numel": numel, "fp32": _time_all_reduce(numel, torch.float32, device),
+                "bf16": _time_all_reduce(numel, torch.bfloat16, device)}
         with open(Path(result_dir) / f"rank{info.rank}.json", "w", encoding="utf-8") as f:
             json.dump(result, f)
     finally:
         cleanup()
+
+
+def _run_scaling(args: argparse.Namespace, device: torch.device, nprocs: int, variant: str,
+                 comm_hook: str) -> dict[str, Any]:
+    """One measurement: ``nprocs`` spawned ranks of ``_scaling_worker``; figures of the run."""
+    log.info("scaling: %d process(es), %s%s", nprocs, variant.replace("_", " "),
+             f", --comm-hook {comm_hook}" if variant == "ddp" and nprocs > 1 else "")
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as result_dir:
+        mp.start_processes(_scaling_worker,
+                           args=(args, nprocs, find_free_port(), result_dir, variant, comm_hook),
+                           nprocs=nprocs, join=True, start_method="spawn")
+        ranks = [json.loads((Path(result_dir) / f"rank{r}.json").read_text())
+                 for r in range(nprocs)]
+    per_repeat = [max(rank["seconds"][i] for rank in ranks) for i in range(args.repeats)]
+    images = nprocs * args.batch_size * args.steps
+    best = min(per_repeat)
+    img_per_s = images / best
+    cuda = device.type == "cuda"
+    entry = {
+        "processes": nprocs, "variant": variant,
+        "comm_hook": comm_hook if variant == "ddp" and nprocs > 1 else None,
+        "backend": ranks[0]["backend"] or "none (1 process)",
+        "img_per_s": img_per_s, "median_img_per_s": images / statistics.median(per_repeat),
+        "measured_seconds": best, "measured_seconds_runs": per_repeat,
+        "epoch_seconds": args.epoch_images / img_per_s,
+        "peak_memory_mib": [rank["peak_cuda_allocated_mib" if cuda else "peak_host_rss_mib"]
+                            for rank in ranks],
+        "peak_host_rss_mib": [rank["peak_host_rss_mib"] for rank in ranks],
+        "rss_at_start_mib": [rank["rss_at_start_mib"] for rank in ranks],
+        **({"peak_cuda_reserved_mib": [rank["peak_cuda_reserved_mib"] for rank in ranks]}
+           if cuda else {}),
+    }
+    if "all_reduce_ms" in ranks[0]:
+        entry["all_reduce_ms"] = ranks[0]["all_reduce_ms"]
+    return entry
 
 
 def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequence[int]
@@ -483,44 +553,44 @@ def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequenc
     the launchers); a repeat lasts as long as its slowest rank, and the best repeat is reported.
     ``epoch_seconds`` is the time ``--epoch-images`` images take at that rate, the classic
     tutorial's "time per epoch" on a fixed dataset.
+
+    With ``--explain-scaling`` (default), the largest process count is also run (a) without
+    any gradient communication, the hardware's ceiling, and (b) with bf16 gradient compression
+    (without, if ``--comm-hook`` asked for it); the uncompressed run also times the gradient
+    all-reduce alone. Together they split the efficiency lost into what the machine loses by
+    running N processes at once and what DDP's all-reduce costs on top.
     """
-    results: dict[str, Any] = {}
-    for nprocs in procs:
-        log.info("scaling: %d process(es)", nprocs)
-        with tempfile.TemporaryDirectory(prefix="ddp-bench-") as result_dir:
-            mp.start_processes(_scaling_worker,
-                               args=(args, nprocs, find_free_port(), result_dir),
-                               nprocs=nprocs, join=True, start_method="spawn")
-            ranks = [json.loads((Path(result_dir) / f"rank{r}.json").read_text())
-                     for r in range(nprocs)]
-        per_repeat = [max(rank["seconds"][i] for rank in ranks) for i in range(args.repeats)]
-        images = nprocs * args.batch_size * args.steps
-        best = min(per_repeat)
-        img_per_s = images / best
-        cuda = device.type == "cuda"
-        results[str(nprocs)] = {
-            "processes": nprocs, "backend": ranks[0]["backend"] or "none (1 process)",
-            "img_per_s": img_per_s, "median_img_per_s": images / statistics.median(per_repeat),
-            "measured_seconds": best, "measured_seconds_runs": per_repeat,
-            "epoch_seconds": args.epoch_images / img_per_s,
-            "peak_memory_mib": [rank["peak_cuda_allocated_mib" if cuda else "peak_host_rss_mib"]
-                                for rank in ranks],
-            "peak_host_rss_mib": [rank["peak_host_rss_mib"] for rank in ranks],
-            "rss_at_start_mib": [rank["rss_at_start_mib"] for rank in ranks],
-            **({"peak_cuda_reserved_mib": [rank["peak_cuda_reserved_mib"] for rank in ranks]}
-               if cuda else {}),
-        }
+    results = {str(n): _run_scaling(args, device, n, "ddp", args.comm_hook) for n in procs}
     base = results[str(procs[0])]["img_per_s"] / procs[0]
-    for entry in results.values():
+    largest = max(procs)
+    explain: dict[str, Any] = {}
+    if args.explain_scaling and largest > 1:
+        explain["no_comm"] = _run_scaling(args, device, largest, "no_comm", "none")
+        # bf16 and fp16 move the same bytes: one of them tells what halving them is worth.
+        other = "bf16" if args.comm_hook == "none" else "none"
+        explain[f"comm_hook_{other}"] = _run_scaling(args, device, largest, "ddp", other)
+    for entry in [*results.values(), *explain.values()]:
         entry["efficiency"] = entry["img_per_s"] / (entry["processes"] * base)
+    if explain:
+        step_ms = args.batch_size / base * 1e3  # one process, one step
+        ceiling = explain["no_comm"]["efficiency"]
+        top = results[str(largest)]
+        explain["summary"] = {
+            "processes": largest, "step_ms_1_process": step_ms,
+            "ceiling_efficiency": ceiling, "ddp_efficiency": top["efficiency"],
+            # The share of the ceiling's throughput that DDP's communication costs.
+            "communication_loss": 1 - top["efficiency"] / ceiling,
+            "all_reduce_ms": next((e["all_reduce_ms"] for e in [top, *explain.values()]
+                                   if "all_reduce_ms" in e), None),
+        }
     return {"device": device.type,
             "threads_per_rank": args.threads if device.type == "cpu" else None,
             "batch_size_per_rank": args.batch_size, "steps": args.steps,
             "epoch_images": args.epoch_images, "sync_bn": args.sync_bn,
-            "bucket_cap_mb": args.bucket_cap_mb,
+            "bucket_cap_mb": args.bucket_cap_mb, "comm_hook": args.comm_hook,
             "memory_kind": ("torch.cuda.max_memory_allocated" if device.type == "cuda"
                             else "peak RSS"),
-            "results": results}
+            "results": results, "explain": explain}
 
 
 # ---------------------------------------------------------------- report
@@ -605,13 +675,33 @@ def format_table(report: dict[str, Any]) -> str:
     mem = "peak RSS" if s["memory_kind"] == "peak RSS" else "peak CUDA allocated"
     lines += ["",
               f"3./4. Scaling (DDP, {backend}, {per_rank}, batch {s['batch_size_per_rank']} per "
-              f"rank, SyncBN {'on' if s['sync_bn'] else 'off'}; epoch = {s['epoch_images']} "
+              f"rank, SyncBN {'on' if s['sync_bn'] else 'off'}, --comm-hook {s['comm_hook']}; "
+              f"epoch = {s['epoch_images']} "
               f"images; best of {cfg['repeats']})",
               f"   processes     img/s   s/epoch   efficiency   {mem} per rank (MiB)"]
     for entry in s["results"].values():
         memory = ", ".join(f"{m:.0f}" for m in entry["peak_memory_mib"])
         lines.append(f"   {entry['processes']:9d} {entry['img_per_s']:9.1f} "
                      f"{entry['epoch_seconds']:9.1f} {entry['efficiency']:12.3f}   {memory}")
+    ex = s.get("explain") or {}
+    for key, label in (("no_comm", "no communication: no DDP, no SyncBN (ceiling)"),
+                       ("comm_hook_bf16", "--comm-hook bf16"),
+                       ("comm_hook_none", "--comm-hook none")):
+        if key in ex:
+            e = ex[key]
+            memory = ", ".join(f"{m:.0f}" for m in e["peak_memory_mib"])
+            lines.append(f"   {e['processes']:9d} {e['img_per_s']:9.1f} {e['epoch_seconds']:9.1f} "
+                         f"{e['efficiency']:12.3f}   {memory}   <- {label}")
+    if "summary" in ex:
+        sm = ex["summary"]
+        lines.append(f"   ceiling {sm['ceiling_efficiency']:.2f}: what {sm['processes']} processes "
+                     "sharing this machine reach; DDP's communication costs "
+                     f"{sm['communication_loss']:.0%} of it")
+        if sm["all_reduce_ms"]:
+            ar = sm["all_reduce_ms"]
+            lines.append(f"   all-reduce of the {ar['numel'] / 1e6:.1f}M-value gradient alone: "
+                         f"{ar['fp32']:.1f} ms fp32, {ar['bf16']:.1f} ms bf16; one 1-process "
+                         f"step: {sm['step_ms_1_process']:.1f} ms")
     if s["memory_kind"] == "peak RSS":
         first = next(iter(s["results"].values()))
         lines.append(f"   (peak RSS includes ~{first['rss_at_start_mib'][0]:.0f} MiB a rank holds "
@@ -648,10 +738,20 @@ def write_chart(report: dict[str, Any], path: Path) -> Path:
                       f"{loop['overhead']['implied_efficiency']:.4f})")
 
     entries = list(s["results"].values())
+    names = [str(e["processes"]) for e in entries]
+    colors = ["#1f77b4"] * len(entries)
+    ex = s.get("explain") or {}
+    for key, label, color in (("comm_hook_bf16", "bf16 comm", "#9ecae1"),
+                              ("comm_hook_none", "fp32 comm", "#9ecae1"),
+                              ("no_comm", "no comm\n(ceiling)", "#cccccc")):
+        if key in ex:
+            entries.append(ex[key])
+            names.append(f"{ex[key]['processes']}\n{label}")
+            colors.append(color)
     unit = "GPUs" if s["device"] == "cuda" else "processes"
     positions = range(len(entries))  # evenly spaced bars for 1, 2, 4, 8 ...
-    bars = axes[2].bar(positions, [e["epoch_seconds"] for e in entries], color="#1f77b4")
-    axes[2].set_xticks(positions, [str(e["processes"]) for e in entries])
+    bars = axes[2].bar(positions, [e["epoch_seconds"] for e in entries], color=colors)
+    axes[2].set_xticks(positions, names)
     axes[2].bar_label(bars, labels=[f"{e['epoch_seconds']:.1f}s\n{e['efficiency']:.0%} efficiency"
                                     for e in entries])
     axes[2].set_xlabel(f"number of {unit}")
@@ -785,6 +885,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="SyncBatchNorm when distributed, as the training default")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                         help="DDP gradient bucket size")
+    parser.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
+                        help="DDP gradient compression, as the training flag")
+    parser.add_argument("--explain-scaling", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the largest process count without gradient "
+                             "communication (the hardware's ceiling) and with the other "
+                             "comm hooks, and time the all-reduce alone")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="benchmark_results",
                         help="benchmark.json and benchmark.png go here")

@@ -10,12 +10,13 @@ Two decoders:
 Either way EXIF orientation is applied, grayscale/palette/RGBA/CMYK/16-bit become 8-bit RGB, and
 a file that cannot be decoded does not crash the DataLoader worker: it comes back as a black
 image with label ``-100``, which ``nn.CrossEntropyLoss`` and our ``evaluate`` ignore, and is
-reported once.
+reported once (a warning and, with ``skip_log``, a line in the run's ``skipped_files.txt``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,12 @@ log = logging.getLogger(__name__)
 
 _JPEG_END = b"\xff\xd9"
 _PNG_END = b"IEND"
+
+
+def printable_path(path: str | os.PathLike) -> str:
+    """``path`` as a str that encodes to UTF-8: bytes that are not valid UTF-8 on disk (which
+    Python keeps as lone surrogates) are shown as ``\\xff`` escapes. Other paths are unchanged."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def load_pil_image(path: str) -> Image.Image:
@@ -92,11 +99,16 @@ class MyDataSet(Dataset):
     tensor decoder and no transform). With ``seed`` set, the random augmentation of sample ``i``
     in epoch ``e`` is a pure function of ``(seed, e, i)``: independent of worker count, worker
     restarts and world size, so a resumed run replays exactly what an uninterrupted one would.
+
+    A sample that fails to decode is logged (``report_errors``) and, with ``skip_log``, appended
+    to that file as ``"<path>\t<reason>\n"``, once per sample per dataset copy (all DataLoader
+    workers of one process share the record; each rank has its own).
     """
 
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int],
                  transform: Callable[[Any], Any] | None = None, *, decoder: str = "pil",
-                 seed: int | None = None, report_errors: bool = True) -> None:
+                 seed: int | None = None, report_errors: bool = True,
+                 skip_log: str | os.PathLike | None = None) -> None:
         if len(images_path) != len(images_class):
             raise ValueError(f"{len(images_path)} image paths but {len(images_class)} labels")
         if decoder not in ("pil", "tensor"):
@@ -107,9 +119,11 @@ class MyDataSet(Dataset):
         self.decoder = decoder
         self.seed = seed
         self.report_errors = report_errors
+        self.skip_log = skip_log
         # Shared memory, so persistent DataLoader workers see set_epoch() from the main process.
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
-        self._reported: set[str] = set()
+        # Shared too: whichever worker meets a bad sample in whichever epoch, it is reported once.
+        self._reported = torch.zeros(len(self.images_path), dtype=torch.bool).share_memory_()
 
     def __len__(self) -> int:
         return len(self.images_path)
@@ -130,10 +144,9 @@ class MyDataSet(Dataset):
         try:
             img = self._load(path)
         except Exception as exc:  # any decoder failure: skip the sample, never kill the worker
-            if self.report_errors and path not in self._reported:
-                self._reported.add(path)
-                log.warning("skipping unreadable image %s (%s: %s)", path, type(exc).__name__,
-                            str(exc).splitlines()[0][:120] if str(exc) else "")
+            if not self._reported[item]:
+                self._reported[item] = True
+                self._report(path, exc)
             img, label = self._placeholder(), IGNORE_INDEX
         if self.transform is not None:
             if self.seed is None:
@@ -145,6 +158,22 @@ class MyDataSet(Dataset):
                     torch.default_generator.manual_seed(sample_seed % (2**63))
                     img = self.transform(img)
         return img, label
+
+    def _report(self, path: str, exc: Exception) -> None:
+        detail = str(exc).splitlines()[0][:120].replace("\t", " ") if str(exc) else ""
+        if self.report_errors:
+            log.warning("skipping unreadable image %s (%s: %s)", printable_path(path),
+                        type(exc).__name__, detail)
+        if self.skip_log is not None:
+            line = (f"{printable_path(path)}\tnot a readable image at load time "
+                    f"({type(exc).__name__}: {detail})\n")
+            # One unbuffered write in append mode: lines from concurrent workers and ranks
+            # land whole (O_APPEND moves each write to the end of the file atomically).
+            try:
+                with open(self.skip_log, "ab", buffering=0) as f:
+                    f.write(line.encode("utf-8", "backslashreplace"))
+            except OSError as err:  # a full disk must not kill the worker; say so instead
+                log.warning("could not record %s in %s (%s)", path, self.skip_log, err)
 
     @staticmethod
     def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,12 +127,19 @@ def default_label(run_dir: str | Path) -> str:
 
 
 def load_runs(run_dirs: Sequence[str | Path], labels: Sequence[str] | None = None) -> list[Run]:
-    """Read every run directory; ``labels`` (one per run) override :func:`default_label`."""
+    """Read every run directory; ``labels`` (one per run) override :func:`default_label`.
+
+    A run may also be given as its metrics file itself (``runs/a/metrics.jsonl``, as shell
+    completion tends to produce); its folder is then the run directory.
+    """
     if labels and len(labels) != len(run_dirs):
         raise UsageError(f"Got {len(labels)} --labels for {len(run_dirs)} run directories; give one label per run.")
     runs = []
     for i, run_dir in enumerate(run_dirs):
-        records = load_metrics(Path(run_dir) / METRICS_FILE)
+        run_dir = Path(run_dir)
+        if run_dir.name == METRICS_FILE and not run_dir.is_dir():
+            run_dir = run_dir.parent
+        records = load_metrics(run_dir / METRICS_FILE)
         runs.append(Run(labels[i] if labels else default_label(run_dir), records))
     return runs
 
@@ -200,18 +208,46 @@ def main(args: argparse.Namespace) -> list[Path]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         runs = load_runs(args.run_dirs, args.labels)
+        written = _save_plots(runs, args.out_dir, args.dpi)
     except UsageError as exc:
         log.error("%s", exc)
         sys.exit(2)
-
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, plot in (("accuracy.png", plot_accuracy), ("loss.png", plot_loss), ("epoch_time.png", plot_epoch_time)):
-        path = args.out_dir / name
-        plot(runs).savefig(path, dpi=args.dpi)
-        print(path)
-        written.append(path)
     return written
+
+
+def _save_plots(runs: Sequence[Run], out_dir: Path, dpi: int) -> list[Path]:
+    """Write the three charts into ``out_dir`` (created if needed) and print each path."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out-dir {out_dir} is an existing file, not a folder; pass a folder for the PNG files.")
+    written = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            # Labels are run folder names, which may be CJK; the default font lacks those glyphs and
+            # matplotlib warns once per character per figure, burying real warnings. Only this
+            # message is silenced, and only while our charts are drawn.
+            warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
+            charts = (("accuracy.png", plot_accuracy), ("loss.png", plot_loss), ("epoch_time.png", plot_epoch_time))
+            for name, plot in charts:
+                path = out_dir / name
+                plot(runs).savefig(path, dpi=dpi)
+                print(path)
+                written.append(path)
+    except OSError as exc:  # read-only folder, a path below a file, disk full, ...
+        raise UsageError(
+            f"Cannot write the plots into --out-dir {out_dir} ({exc.strerror or exc}); pass a writable folder."
+        ) from None
+    return written
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -228,7 +264,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         add_help=add_help,
     )
     parser.add_argument(
-        "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help=f"training --output-dir holding {METRICS_FILE}"
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help=f"training --output-dir holding {METRICS_FILE} (or that {METRICS_FILE} itself)",
     )
     group = parser.add_argument_group("output")
     group.add_argument(
@@ -237,7 +277,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument(
         "--labels", nargs="+", default=None, metavar="LABEL", help="legend label per run; default: folder name plus args.json summary"
     )
-    group.add_argument("--dpi", type=int, default=120, help="resolution of the PNG files")
+    group.add_argument("--dpi", type=_positive_int, default=120, help="resolution of the PNG files")
     return parser
 
 

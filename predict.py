@@ -5,14 +5,17 @@ Give it any checkpoint the training run left behind and the class list it wrote:
     # full checkpoint: the architecture and image size are read from the checkpoint's "args"
     python predict.py --weights output/model_best.pth --class-indices output/class_indices.json tulip.jpg
 
-    # bare per-epoch state dict: say which architecture it is; folders mean "every image inside"
-    python predict.py --weights output/weights/model-29.pth --model resnet34 photos/ more.png
+    # bare per-epoch state dict: architecture and image size come from the run's args.json;
+    # folders mean "every image below" (hidden files and folders skipped)
+    python predict.py --weights output/weights/model-29.pth photos/ more.png
 
 ``--class-indices`` may be left out when ``class_indices.json`` sits next to the weights file or
-one folder above it (the layout training writes). Each image prints one line on stdout,
-tab-separated: the path, then the top-k ``class: probability`` pairs. An image that cannot be read
-is reported on stderr and the rest are still predicted; the exit code is then 1. Mistakes in the
-arguments (missing files, a class list that does not fit the checkpoint) exit with code 2.
+one folder above it (the layout training writes); bare weights find the run's ``args.json`` the
+same way, and ``--model``/``--img-size`` given on the command line always win. Each image prints
+one line on stdout, tab-separated: the path, then the top-k ``class: probability`` pairs. An
+image that cannot be read (or a dangling symlink) is reported on stderr and the rest are still
+predicted; the exit code is then 1. Mistakes in the arguments (missing files, a class list that
+does not fit the checkpoint) exit with code 2.
 
 From Python::
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -141,6 +145,13 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
     an untrusted source cannot run code.
     """
     path = Path(path)
+    if path.is_dir():
+        # Users often pass training's --output-dir; name the file they most likely meant.
+        inside = [path / name for name in ("model_best.pth", "checkpoint.pth") if (path / name).is_file()]
+        hint = f"pass --weights {inside[0]}" if inside else (
+            "pass a checkpoint.pth, model_best.pth or weights/model-<epoch>.pth file written by training"
+        )
+        raise UsageError(f"Weights path {path} is a directory, not a file; {hint}.")
     if not path.is_file():
         raise UsageError(
             f"Weights file {path} does not exist; pass a checkpoint.pth, model_best.pth or "
@@ -204,17 +215,43 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
-    """Expand folders into the image files directly inside them (sorted by name); keep files as given.
+def _walk_images(folder: Path) -> list[Path]:
+    """Image files anywhere below ``folder``, sorted; hidden files and folders are left out.
 
-    Files named explicitly are kept whatever their extension (and even if missing): they are
-    reported per image later, so one typo does not stop the rest of the batch.
+    Mirrors training's folder scan (``utils.scan_image_folder``), so a dataset root predicts the
+    images training would use: ``._name.jpg`` AppleDouble files and ``.git``-style folders are not
+    images. Symlinked folders are followed once (their real path is remembered), so a link back up
+    the tree cannot loop. Dangling symlinks are kept, so they are reported like unreadable images.
+    """
+    found: list[Path] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            path = Path(dirpath, name)
+            if name.startswith(".") or path.suffix.lower() not in IMG_EXTENSIONS:
+                continue
+            if path.is_file() or (path.is_symlink() and not path.exists()):
+                found.append(path)
+    return sorted(found)
+
+
+def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
+    """Expand folders into the image files anywhere below them (sorted); keep files as given.
+
+    Files named explicitly are kept whatever their name or extension (and even if missing): they
+    are reported per image later, so one typo does not stop the rest of the batch.
     """
     paths: list[Path] = []
     for raw in inputs:
         path = Path(raw)
         if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
+            found = _walk_images(path)
             if not found:
                 log.warning("Folder %s contains no image files (%s).", path, ", ".join(IMG_EXTENSIONS))
             paths.extend(found)
@@ -252,7 +289,10 @@ def iter_predictions(
                 tensors.append(transform(load_image(path)))
                 slots.append(i)
             except Exception as exc:  # decoders of untrusted files raise many types (OSError, SyntaxError, ...)
-                results[i] = Prediction(path, None, [], f"Cannot read image {path}: {exc}")
+                reason = str(exc)
+                if path.is_symlink() and not path.exists():  # "No such file" alone would puzzle: the link is there
+                    reason = f"dangling symlink to {os.readlink(path)}"
+                results[i] = Prediction(path, None, [], f"Cannot read image {path}: {reason}")
         if tensors:
             logits = model(torch.stack(tensors).to(device))  # (B, 3, S, S) -> (B, C)
             if logits.shape[1] != len(class_names):
@@ -290,17 +330,45 @@ def format_prediction(pred: Prediction) -> str:
     return "\t".join([str(pred.path), *(f"{name}: {prob:.3f}" for name, prob in pred.top_k)])
 
 
-def _default_class_indices(weights: Path) -> Path:
-    # Training writes class_indices.json into --output-dir; checkpoint.pth sits there too and the
-    # per-epoch files one level down in weights/.
+def _find_run_file(weights: Path, name: str) -> Path | None:
+    # Training writes class_indices.json and args.json into --output-dir; checkpoint.pth sits
+    # there too and the per-epoch files one level down in weights/.
     for folder in (weights.parent, weights.parent.parent):
-        candidate = folder / "class_indices.json"
+        candidate = folder / name
         if candidate.is_file():
             return candidate
-    raise UsageError(
-        f"No --class-indices given and no class_indices.json next to {weights} or one folder above; "
-        "pass --class-indices."
-    )
+    return None
+
+
+def _default_class_indices(weights: Path) -> Path:
+    found = _find_run_file(weights, "class_indices.json")
+    if found is None:
+        raise UsageError(
+            f"No --class-indices given and no class_indices.json next to {weights} or one folder above; "
+            "pass --class-indices."
+        )
+    return found
+
+
+def _run_args_near(weights: Path) -> dict[str, Any]:
+    """The training run's ``args.json`` next to ``weights`` or one folder up, else ``{}``.
+
+    Bare state dicts carry no args, but the run's folder records its model and img_size; without
+    them a resnet18 trained at 64 px would be rebuilt as the default resnet34 at 224 px.
+    """
+    path = _find_run_file(weights, "args.json")
+    if path is None:
+        return {}
+    try:
+        run_args = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning("Ignoring %s, which cannot be read as JSON (%s).", path, exc)
+        return {}
+    if not isinstance(run_args, dict):
+        log.warning("Ignoring %s, which is not a JSON object.", path)
+        return {}
+    log.info("Bare weights: using the model and img-size recorded in %s unless given.", path)
+    return run_args
 
 
 def main(args: argparse.Namespace) -> None:
@@ -308,6 +376,8 @@ def main(args: argparse.Namespace) -> None:
     try:
         device = resolve_device(args.device)
         state_dict, train_args = load_checkpoint(args.weights)
+        if not train_args:
+            train_args = _run_args_near(args.weights)
         class_indices = args.class_indices or _default_class_indices(args.weights)
         class_names = load_class_names(class_indices)
         # `or`, not a .get default: args.json-style records hold null for unset options.
@@ -358,7 +428,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         add_help=add_help,
     )
     parser.add_argument(
-        "images", nargs="+", metavar="IMAGE", help="image files, or folders whose image files are all predicted"
+        "images",
+        nargs="+",
+        metavar="IMAGE",
+        help="image files, or folders searched recursively for image files (hidden ones skipped)",
     )
 
     group = parser.add_argument_group("model")
@@ -376,13 +449,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         "--model",
         choices=list(MODELS),
         default=None,
-        help=f"architecture; default: the one recorded in the checkpoint, else {DEFAULT_MODEL}",
+        help=f"architecture; default: the one recorded in the checkpoint or the run's args.json, else {DEFAULT_MODEL}",
     )
     group.add_argument(
         "--img-size",
         type=_positive_int,
         default=None,
-        help=f"crop size; default: the one recorded in the checkpoint, else {DEFAULT_IMG_SIZE}",
+        help=f"crop size; default: the one recorded in the checkpoint or the run's args.json, else {DEFAULT_IMG_SIZE}",
     )
 
     group = parser.add_argument_group("inference")

@@ -27,9 +27,10 @@ from model import MODELS, get_model
 from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, extract_state_dict,
                                           load_file, load_matching_weights, prune_weights,
                                           restore_rng_state, save_atomic, unwrap)
-from multi_train_utils.distributed_utils import (DistInfo, LaunchError, all_gather_object,
-                                                 all_ranks_ok, broadcast_object, cleanup,
-                                                 init_distributed_mode)
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, LaunchError,
+                                                 all_gather_object, all_ranks_ok,
+                                                 broadcast_object, cleanup, init_distributed_mode,
+                                                 register_comm_hook)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_amp_dtype,
                                                train_one_epoch)
@@ -75,6 +76,23 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _number(kind: type, minimum: float, what: str):
+    """An argparse ``type`` that rejects values below ``minimum`` with a one-line usage error."""
+    def parse(text: str):
+        value = kind(text)
+        if not (value >= minimum and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" errors
+    return parse
+
+
+POSITIVE_INT = _number(int, 1, "a whole number of at least 1")
+COUNT = _number(int, 0, "a whole number of at least 0")
+POSITIVE = _number(float, math.ulp(0.0), "greater than 0")
+NON_NEGATIVE = _number(float, 0.0, "at least 0")
+
+
 def default_workers(batch_size: int) -> int:
     # The template's rule: one worker per sample of the batch, at most 8 and the CPU count.
     return min(os.cpu_count() or 1, batch_size if batch_size > 1 else 0, 8)
@@ -94,10 +112,10 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                       help="where the demo dataset is generated and cached "
                            "(default: $DDP_DEMO_DATA or ~/.cache/ddp-template/demo_flowers_v1)")
     data.add_argument("--val-rate", type=float, default=0.2, help="fraction of each class held out")
-    data.add_argument("--img-size", type=int, default=224, help="training/validation crop size")
-    data.add_argument("--num-classes", "--num_classes", type=int, default=None,
+    data.add_argument("--img-size", type=POSITIVE_INT, default=224, help="training/validation crop size")
+    data.add_argument("--num-classes", "--num_classes", type=POSITIVE_INT, default=None,
                       help="number of classes (default: the number of class folders)")
-    data.add_argument("--workers", type=int, default=None,
+    data.add_argument("--workers", type=COUNT, default=None,
                       help="DataLoader workers per process (default: min(cpus, batch size, 8))")
     data.add_argument("--verify-images", action=BoolFlag, default=True,
                       help="check every image's header (and end marker) before training; "
@@ -115,20 +133,20 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                             "(torch's SyncBatchNorm on CUDA, ours on CPU)")
 
     optim = parser.add_argument_group("optimisation")
-    optim.add_argument("--epochs", type=int, default=30, help="total, resumed epochs included")
-    optim.add_argument("--batch-size", "--batch_size", type=int, default=16,
+    optim.add_argument("--epochs", type=POSITIVE_INT, default=30, help="total, resumed epochs included")
+    optim.add_argument("--batch-size", "--batch_size", type=POSITIVE_INT, default=16,
                        help="per process; the global batch is this x world size")
-    optim.add_argument("--lr", type=float, default=0.001,
+    optim.add_argument("--lr", type=POSITIVE, default=0.001,
                        help="learning rate for one process; multiplied by world size")
     optim.add_argument("--scale-lr", action=BoolFlag, default=True,
                        help="linear scaling: lr x world size (Goyal et al. 2017, arXiv:1706.02677)")
-    optim.add_argument("--lrf", type=float, default=0.1,
+    optim.add_argument("--lrf", type=NON_NEGATIVE, default=0.1,
                        help="final lr as a fraction of the initial (cosine schedule)")
-    optim.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    optim.add_argument("--weight-decay", type=float, default=0.005, help="SGD weight decay")
-    optim.add_argument("--grad-accum-steps", type=int, default=1,
+    optim.add_argument("--momentum", type=NON_NEGATIVE, default=0.9, help="SGD momentum")
+    optim.add_argument("--weight-decay", type=NON_NEGATIVE, default=0.005, help="SGD weight decay")
+    optim.add_argument("--grad-accum-steps", type=POSITIVE_INT, default=1,
                        help="optimizer step every K batches; DDP syncs only on the K-th")
-    optim.add_argument("--clip-grad-norm", type=float, default=None, help="max gradient norm")
+    optim.add_argument("--clip-grad-norm", type=POSITIVE, default=None, help="max gradient norm")
 
     speed = parser.add_argument_group("speed")
     speed.add_argument("--amp", action=BoolFlag, default=None,
@@ -137,22 +155,25 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     speed.add_argument("--channels-last", action=BoolFlag, default=None,
                        help="NHWC memory format (default: on for CUDA)")
     speed.add_argument("--compile", action=BoolFlag, default=False, help="torch.compile the model")
-    speed.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size")
+    speed.add_argument("--bucket-cap-mb", type=POSITIVE, default=25.0, help="DDP gradient bucket size")
+    speed.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
+                       help="compress DDP's gradient all-reduce to 16 bits (halves the bytes; "
+                            "gradients are rounded, so off by default)")
 
     dist = parser.add_argument_group("distributed")
     dist.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
     dist.add_argument("--dist-url", "--dist_url", default="env://",
                       help="env:// (torchrun/SLURM/spawn set the variables) or tcp://HOST:PORT")
-    dist.add_argument("--dist-timeout", type=float, default=1800.0,
+    dist.add_argument("--dist-timeout", type=POSITIVE, default=1800.0,
                       help="seconds a collective may wait for a peer before failing")
     # torch.distributed.launch without --use_env passes --local-rank; LOCAL_RANK is read instead.
     dist.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     if launcher == "spawn":
-        dist.add_argument("--world-size", "--world_size", type=int, default=None,
+        dist.add_argument("--world-size", "--world_size", type=POSITIVE_INT, default=None,
                           help="processes on this node (default: visible GPUs, or 2 on CPU)")
-        dist.add_argument("--nnodes", type=int, default=1, help="number of machines")
-        dist.add_argument("--node-rank", type=int, default=0, help="this machine's index")
+        dist.add_argument("--nnodes", type=POSITIVE_INT, default=1, help="number of machines")
+        dist.add_argument("--node-rank", type=COUNT, default=0, help="this machine's index")
 
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", default="runs/train",
@@ -160,12 +181,12 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     run.add_argument("--resume", default="auto",
                      help="'auto': continue from <output-dir>/checkpoint.pth if it exists; "
                           "a path; or 'none' to start fresh")
-    run.add_argument("--keep-last", type=int, default=0,
+    run.add_argument("--keep-last", type=COUNT, default=0,
                      help="keep only the newest K weights/model-{epoch}.pth (0: keep all)")
     run.add_argument("--eval-only", action=BoolFlag, default=False,
                      help="evaluate the resumed/--weights model and exit")
     run.add_argument("--seed", type=int, default=0, help="data split, shuffling and init")
-    run.add_argument("--print-freq", type=int, default=50,
+    run.add_argument("--print-freq", type=POSITIVE_INT, default=50,
                      help="reduce and show the running loss every N steps")
     run.add_argument("--tensorboard", action=BoolFlag, default=True,
                      help="write TensorBoard logs to <output-dir>/tensorboard")
@@ -193,6 +214,25 @@ def _expect_worker_deaths() -> None:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
 
+def die_with_launcher() -> None:
+    """Under a launcher (torchrun, our spawn launcher), SIGTERM this rank when the launcher dies.
+
+    A launcher killed with SIGKILL cannot stop its ranks: they would train on as orphans, and a
+    rerun of the same command would share the output folder with them. Linux only (prctl); not
+    for a plain ``python`` run, which must outlive its shell under nohup.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def train(args: argparse.Namespace) -> None:
     """Run one training process to the end; exits with 2 on a user error, 130/143 on a signal.
 
@@ -202,6 +242,8 @@ def train(args: argparse.Namespace) -> None:
     # SIGTERM (torchrun, SLURM, the spawn launcher, `kill`) unwinds like Ctrl-C: finally-blocks
     # run, the process group is destroyed and DataLoader workers are shut down.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun / torch.distributed.launch
+        die_with_launcher()
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
     info = None
     try:
@@ -222,6 +264,7 @@ def train(args: argparse.Namespace) -> None:
         sys.exit(143 if signame == "SIGTERM" else 130)
     finally:
         cleanup()
+        _release_output_dir()
 
 
 def _seed_everything(seed: int, rank: int) -> None:
@@ -253,11 +296,6 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
     scan = _scan_on_rank0(root, args.verify_images, info)
     if info.is_main:
         log.info(scan.summary())
-        if scan.skipped:  # nothing is lost silently: the full list stays with the run
-            (out / "skipped_files.txt").write_text(
-                "".join(f"{p}\t{why}\n" for p, why in scan.skipped), encoding="utf-8")
-        write_json_atomic(out / "class_indices.json", {str(i): c for i, c in enumerate(scan.classes)})
-        plot_class_distribution(scan, out / "class_distribution.png")
 
     num_classes = len(scan.classes)
     if args.num_classes is not None and args.num_classes != num_classes:
@@ -278,10 +316,13 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
                         "batch could be formed; lower --batch-size or add images.")
 
     transforms = get_transforms(args.img_size)
+    # Files that pass the scan but fail to decode are met by one rank's loader only: every rank
+    # reports its own, and appends them to the run's list (rank 0 rewrites it before training).
+    skip_log = None if args.eval_only else out / "skipped_files.txt"
     train_set = MyDataSet(train_p, train_y, transforms["train"], decoder="tensor", seed=args.seed,
-                          report_errors=info.is_main)
-    val_set = MyDataSet(val_p, val_y, transforms["val"], decoder="tensor",
-                        report_errors=info.is_main)
+                          report_errors=True, skip_log=skip_log)
+    val_set = MyDataSet(val_p, val_y, transforms["val"], decoder="tensor", report_errors=True,
+                        skip_log=skip_log)
     train_sampler = DistributedSampler(train_set, num_replicas=info.world_size, rank=info.rank,
                                        shuffle=True, seed=args.seed)
     val_sampler = DistributedSampler(val_set, num_replicas=info.world_size, rank=info.rank,
@@ -297,13 +338,30 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
                             **loader_kwargs)
     log.info("%d training / %d validation images, %d classes, %d loader workers per process",
              len(train_set), len(val_set), num_classes, workers)
-    return scan.classes, train_set, val_set, train_sampler, train_loader, val_loader
+    return scan, train_set, val_set, train_sampler, train_loader, val_loader
+
+
+def _write_run_files(out: Path, scan) -> None:
+    """Rank 0, once the run is known to be valid: what the data scan found, kept with the run."""
+    skipped = out / "skipped_files.txt"
+    if scan.skipped:  # nothing is lost silently: the full list stays with the run
+        skipped.write_text("".join(f"{p}\t{why}\n" for p, why in scan.skipped), encoding="utf-8")
+    else:
+        skipped.unlink(missing_ok=True)  # a list from an earlier scan would mislead
+    write_json_atomic(out / "class_indices.json", {str(i): c for i, c in enumerate(scan.classes)})
+    plot_class_distribution(scan, out / "class_distribution.png")
 
 
 def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> nn.Module:
     model = get_model(args.model, num_classes=num_classes)
     if args.weights:
         skipped, missing = load_matching_weights(model, args.weights)
+        if args.eval_only and (skipped or missing):
+            unfit = [*skipped, *missing]
+            raise ConfigError(f"--eval-only: {len(unfit)} tensor(s) of --model {args.model} with "
+                              f"{num_classes} classes are missing from or do not fit "
+                              f"{args.weights} (e.g. {unfit[0]}), so the accuracy would be "
+                              "meaningless; pass the --model and data it was trained with.")
         log.info("loaded %s; skipped %d tensor(s) that do not fit%s; %d left as initialised%s",
                  args.weights, len(skipped), f" ({', '.join(skipped)})" if skipped else "",
                  len(missing), f" ({', '.join(missing)})" if missing else "")
@@ -323,28 +381,135 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
     """
     if args.resume in (None, "", "none"):
         return None
-    path = args.resume
+    path, error = args.resume, None
     if args.resume == "auto":
         path = str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
-    path = broadcast_object(path)
+    elif os.path.isdir(path):
+        found = [f for f in ("checkpoint.pth", "model_best.pth") if os.path.isfile(Path(path) / f)]
+        error = (f"--resume {path} is a folder; give a file"
+                 + (f", e.g. {Path(path) / found[0]}." if found else "."))
+    elif not os.path.exists(path):
+        error = f"--resume {path} does not exist."
+    path, error = broadcast_object((path, error))  # rank 0 decides, for every rank
+    if error:
+        raise CheckpointError(error)
     if path is not None and not all_ranks_ok(os.path.isfile(path)):
         raise CheckpointError(f"checkpoint {path} is not readable on every rank; put --output-dir "
                               "on storage all machines share, or copy the file to each of them.")
     return path
 
 
-def _load_checkpoint(path: str, args: argparse.Namespace, num_classes: int) -> dict[str, Any]:
-    ckpt = load_file(path)
+def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str]) -> dict[str, Any]:
+    try:
+        ckpt = load_file(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} Resume from another file (--resume PATH: model_best.pth, "
+                              "or weights/model-N.pth with --weights), or start over with "
+                              "--resume none.") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "epoch" not in ckpt:
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model'/'epoch'); to start "
                               "from bare weights use --weights instead of --resume.")
     saved = ckpt.get("args", {})
-    for key, now in (("model", args.model), ("num_classes", num_classes)):
-        if key in saved and saved[key] != now:
-            raise CheckpointError(f"{path} was trained with {key}={saved[key]} but this run has "
-                                  f"{key}={now}; use a matching --{key.replace('_', '-')} or "
-                                  "another --output-dir.")
+    if "model" in saved and saved["model"] != args.model:
+        raise CheckpointError(f"{path} was trained with --model {saved['model']} but this run has "
+                              f"--model {args.model}; use a matching --model or another "
+                              "--output-dir.")
+    # Labels are folder indices: the same count in another order would train on wrong labels.
+    trained_on = ckpt.get("classes")
+    if trained_on is not None and list(trained_on) != list(classes):
+        diff = sorted(set(trained_on) ^ set(classes)) or ["same names, other order"]
+        raise CheckpointError(f"{path} was trained on the classes {', '.join(trained_on)} but "
+                              f"the data has {', '.join(classes)} ({', '.join(diff)}); resume "
+                              "with the data it was trained on, or use another --output-dir.")
+    if trained_on is None and saved.get("num_classes", len(classes)) != len(classes):
+        raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
+                              f"has {len(classes)}; resume with the data it was trained on, or "
+                              "use another --output-dir.")
+    if saved.get("img_size", args.img_size) != args.img_size:
+        log.warning("%s was trained at --img-size %s; this run uses %d%s.", path,
+                    saved["img_size"], args.img_size,
+                    " (pass --img-size to evaluate as trained)" if args.eval_only else "")
     return ckpt
+
+
+_RUN_LOCK: int | None = None  # rank 0's lock on --output-dir, held until the process exits
+
+
+def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
+    """Rank 0, before anything is written: ``out`` is a writable folder that no other run is
+    using, and training in it cannot overwrite an earlier run's results.
+
+    The lock (``flock`` on ``<out>/.lock``) stops a second job, e.g. a rerun while orphaned ranks
+    of a killed launcher still train, from interleaving two runs' checkpoints; the kernel drops
+    it when the process dies, however it dies.
+    """
+    global _RUN_LOCK
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"--output-dir {out} is (under) a file, not a folder; choose a "
+                          "folder.") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write to --output-dir {out}: {exc.strerror}; choose a folder "
+                          "you can write to.") from None
+    try:
+        import fcntl  # POSIX; elsewhere the run goes unlocked
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"another training run (pid {holder}) is using --output-dir {out}; "
+                              "wait for it to finish or stop it, or use another --output-dir.")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    except (ImportError, OSError) as exc:  # no flock (e.g. some network file systems)
+        log.warning("could not lock --output-dir %s (%s); make sure no other run uses it.", out,
+                    exc)
+    _RUN_LOCK = fd
+
+    checkpoint = out / "checkpoint.pth"
+    if checkpoint.exists() and not checkpoint.is_file():
+        raise ConfigError(f"{checkpoint} is not a file; move it away or use another --output-dir.")
+    if args.resume == "auto" and not checkpoint.exists():
+        earlier = [name for name in ("metrics.jsonl", "model_best.pth")
+                   if (out / name).is_file() and (out / name).stat().st_size > 0]
+        if any((out / "weights").glob("model-*.pth")):
+            earlier.append("weights/")
+        if earlier:
+            raise CheckpointError(
+                f"{out} holds an earlier run ({', '.join(earlier)}) but no checkpoint.pth to "
+                f"continue from; use another --output-dir, continue from its best epoch with "
+                f"--resume {out / 'model_best.pth'}, or start over in it with --resume none "
+                "(its files are overwritten).")
+    # Temp files of saves a kill -9 interrupted (save_atomic, _write_metrics): never read.
+    stale = [*out.glob(".*.tmp"), *(out / "weights").glob(".*.tmp"), out / "metrics.jsonl.tmp"]
+    removed = sum(1 for path in stale if path.is_file() and not path.unlink())
+    if removed:
+        log.info("removed %d temp file(s) of interrupted saves from %s", removed, out)
+
+
+def _release_output_dir() -> None:
+    """Drop the lock early (process exit drops it anyway): ``train`` may be called again."""
+    global _RUN_LOCK
+    if _RUN_LOCK is not None:
+        os.close(_RUN_LOCK)
+        _RUN_LOCK = None
+
+
+def _check_on_rank0(check, *args: Any, info: DistInfo) -> None:
+    """Run ``check`` on rank 0 and raise its user error on every rank, so none waits alone."""
+    error = None
+    if info.is_main:
+        try:
+            check(*args)
+        except USER_ERRORS as exc:
+            error = exc
+    error = broadcast_object(error)
+    if error is not None:
+        raise error
 
 
 def _jsonable(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
@@ -354,8 +519,8 @@ def _jsonable(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, info: DistInfo) -> None:
     out = Path(args.output_dir)
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+    if not args.eval_only:  # evaluation writes nothing
+        _check_on_rank0(_claim_output_dir, args, out, info=info)
     _seed_everything(args.seed, info.rank)
     device = info.device
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -364,12 +529,13 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_procs)))
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest
-    classes, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(args, info, out)
+    scan, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(args, info, out)
+    classes = scan.classes
     num_classes = len(classes)
 
     model = _build_model(args, info, num_classes)
     resume_path = _resolve_resume(args, out)
-    ckpt = _load_checkpoint(resume_path, args, num_classes) if resume_path else None
+    ckpt = _load_checkpoint(resume_path, args, classes) if resume_path else None
     if ckpt is not None:
         state, own = extract_state_dict(ckpt, resume_path), model.state_dict()
         # Checkpoints without recorded args (or from edited code) are checked by shape.
@@ -381,6 +547,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                   f"{unfit[0]}); resume with the model and data it was trained "
                                   "on, or use another --output-dir.")
         model.load_state_dict(state)
+    if info.is_main and not args.eval_only:
+        _write_run_files(out, scan)
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     model_without_ddp = model
@@ -388,6 +556,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
+        register_comm_hook(model, args.comm_hook)
+        if args.comm_hook != "none":
+            log.info("DDP all-reduces gradients in %s (--comm-hook %s)", args.comm_hook,
+                     args.comm_hook)
     if args.compile:
         model = torch.compile(model)
 
@@ -413,6 +585,16 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             rng = ckpt.get("rng_states") or []
             if len(rng) == info.world_size:
                 restore_rng_state(rng[info.rank])
+            trained_by = ckpt.get("args", {}).get("world_size", info.world_size)
+            if trained_by != info.world_size:
+                _rescale_lr(optimizer, scheduler, info.world_size / trained_by if args.scale_lr
+                            else 1.0)
+                log.warning("%s was trained by %d process(es), this run has %d: the global batch "
+                            "changes from %d to %d, %s; data order and augmentation differ from "
+                            "an uninterrupted run.", resume_path, trained_by, info.world_size,
+                            trained_by * args.batch_size, info.world_size * args.batch_size,
+                            "the learning rate is rescaled to match (--scale-lr)"
+                            if args.scale_lr else "the learning rate is kept (--no-scale-lr)")
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
         log.info("resumed from %s: epoch %d done, best val acc %.4f", resume_path, ckpt["epoch"],
@@ -487,6 +669,17 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 writer.flush()
     if writer:
         writer.close()
+
+
+def _rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                factor: float) -> None:
+    """Multiply a resumed schedule by ``factor`` (linear scaling rule, arXiv:1706.02677)."""
+    scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
+    for group, base, lmbda in zip(optimizer.param_groups, scheduler.base_lrs,
+                                  scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * lmbda(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _step_logger(writer):

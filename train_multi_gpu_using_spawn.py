@@ -21,8 +21,8 @@ import torch
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import find_free_port, parse_dist_url, set_launch_env
+from train_common import die_with_launcher, train
 from train_common import get_args_parser as _common_parser
-from train_common import train
 
 log = logging.getLogger("spawn")
 
@@ -35,6 +35,7 @@ def _worker(local_rank: int, args: argparse.Namespace, nprocs: int, addr: str, p
     set_launch_env(rank=args.node_rank * nprocs + local_rank, local_rank=local_rank,
                    world_size=args.nnodes * nprocs, master_addr=addr, master_port=port,
                    extra=[("LOCAL_WORLD_SIZE", str(nprocs))])
+    die_with_launcher()
     train(args)
 
 

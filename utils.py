@@ -8,7 +8,9 @@ import math
 import os
 import random
 import shutil
+import stat
 import tempfile
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from torchvision.transforms import v2
 
 from multi_train_utils.distributed_utils import is_main_process
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401 (re-export)
-from my_dataset import check_image
+from my_dataset import check_image, printable_path
 
 log = logging.getLogger(__name__)
 
@@ -60,50 +62,114 @@ class FolderScan:
         return "\n".join(lines)
 
 
-def _walk_files(folder: str) -> list[str]:
-    """Every file below ``folder``, following symlinked folders once (no loops), sorted."""
-    found, seen = [], set()
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+def _walk_files(folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Every file below ``folder`` as ``(path, real path of its folder)``, sorted, and the folders
+    left out, as ``(path, reason)``.
+
+    Symlinked folders are followed once (no loops). Hidden and unreadable folders are not
+    entered but reported, so nothing below them is lost without a word.
+    """
+    found: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    seen: dict[str, str] = {}  # real path -> first path it was walked under
+
+    def unreadable(exc: OSError) -> None:
+        # os.walk drops folders it cannot list unless told; the class would vanish unexplained.
+        why = "permission denied" if isinstance(exc, PermissionError) else (
+            f"cannot read folder ({exc.strerror or type(exc).__name__})")
+        skipped.append((exc.filename or folder, why))
+
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable, followlinks=True):
         real = os.path.realpath(dirpath)
         if real in seen:
+            skipped.append((dirpath, f"duplicate (same folder as {printable_path(seen[real])})"))
             dirnames[:] = []
             continue
-        seen.add(real)
+        seen[real] = dirpath
+        skipped += [(os.path.join(dirpath, d), "hidden folder")
+                    for d in dirnames if d.startswith(".")]
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [os.path.join(dirpath, f) for f in filenames]
-    return sorted(found)
+        found += [(os.path.join(dirpath, f), real) for f in filenames]
+    return sorted(found), skipped
+
+
+def _real_file(path: str, real_dir: str) -> str | None:
+    """``os.path.realpath(path)``, or None for a dangling link, for the price of one ``lstat``:
+    the folder's real path is known from the walk, so only symlinked files need resolving
+    (realpath on every file costs a syscall per path component, seconds on ImageNet)."""
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return os.path.join(real_dir, os.path.basename(path))
+    except OSError:  # gone since it was listed
+        return None
+    return os.path.realpath(path) if os.path.exists(path) else None
+
+
+def _is_utf8(name: str) -> bool:
+    """False for names that were not valid UTF-8 on disk (Python keeps those bytes as lone
+    surrogates, which fail later when written to skipped_files.txt or class_indices.json)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> FolderScan:
     """Find ``root/<class>/**/<image>``; classes are the sorted sub-folder names.
 
-    Hidden files, other extensions and (with ``verify``) files that are not readable images are
-    skipped and listed; class folders left empty are dropped. Raises :class:`DataError` when
+    Hidden files and folders, other extensions, names that are not valid UTF-8, unreadable
+    folders, second paths to an already found file (symlinks; the first in sorted order is kept,
+    so one image cannot land in both train and val) and (with ``verify``) files that are not
+    readable images are skipped and listed; class folders left empty are dropped. Raises
+    :class:`DataError` when the root cannot be read, a class folder name is not valid UTF-8, or
     fewer than two classes with images remain.
     """
     if not os.path.isdir(root):
         what = "is not a folder" if os.path.exists(root) else "does not exist"
         raise DataError(f"data path {root} {what}; expected a folder with one sub-folder of "
                         "images per class (e.g. flower_photos/daisy/*.jpg).")
-    class_names = sorted(d for d in os.listdir(root)
+    try:
+        with os.scandir(root) as entries:
+            names = [entry.name for entry in entries]
+    except OSError as exc:
+        why = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or exc
+        raise DataError(f"cannot read data folder {root}: {why}; check its permissions "
+                        "(the training user needs read and execute access).") from None
+    class_names = sorted(d for d in names
                          if not d.startswith(".") and os.path.isdir(os.path.join(root, d)))
     if not class_names:
         raise DataError(f"data path {root} has no class sub-folders; expected one sub-folder of "
                         "images per class (e.g. flower_photos/daisy/*.jpg).")
+    for name in class_names:
+        if not _is_utf8(name):
+            raise DataError(f"class folder {printable_path(name)} in {root} has a name that is "
+                            "not valid UTF-8; rename it (class names are written to "
+                            "class_indices.json and checkpoints).")
 
     skipped: list[tuple[str, str]] = []
     candidates: list[list[str]] = []
+    first_of: dict[str, str] = {}  # real path -> first path found for it
     for name in class_names:
         kept = []
-        for path in _walk_files(os.path.join(root, name)):
+        class_dir = os.path.join(root, name)
+        files, skipped_dirs = _walk_files(class_dir)
+        skipped += skipped_dirs
+        for path, real_dir in files:
             base = os.path.basename(path)
             if base.startswith("."):
                 skipped.append((path, "hidden file"))
+            elif not _is_utf8(os.path.relpath(path, class_dir)):
+                what = "file" if not _is_utf8(base) else "folder"
+                skipped.append((path, f"{what} name is not valid UTF-8; rename it"))
             elif not base.lower().endswith(IMG_EXTENSIONS):
                 skipped.append((path, "not an image extension"))
-            elif not os.path.exists(path):
+            elif (real := _real_file(path, real_dir)) is None:
                 skipped.append((path, "dangling link"))
+            elif real in first_of:
+                skipped.append((path, f"duplicate (same file as {printable_path(first_of[real])})"))
             else:
+                first_of[real] = path
                 kept.append(path)
         candidates.append(kept)
 
@@ -120,7 +186,9 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
         (classes if paths else dropped).append(name)
         if paths:
             images.append(paths)
-    scan = FolderScan(root=root, classes=classes, images=images, skipped=sorted(skipped),
+    # Reported paths must survive being written as UTF-8, whatever bytes the disk holds.
+    scan = FolderScan(root=root, classes=classes, images=images,
+                      skipped=sorted((printable_path(p), why) for p, why in skipped),
                       dropped_classes=dropped)
     if not classes:
         raise DataError(f"no readable images found under {root} (looked for "
@@ -162,13 +230,24 @@ def split_train_val(images: Sequence[Sequence[str]], val_rate: float, seed: int 
 
 
 def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
-    """Write JSON so a reader never sees half a file (temp file + rename)."""
+    """Write JSON so a reader never sees half a file (temp file + rename).
+
+    The file gets the permissions ``open()`` would give it (0o666 less the umask), so teammates
+    can read run files on shared storage; on failure no temp file is left behind.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=4, ensure_ascii=False)
-    os.replace(tmp, path)
+    # Not mkstemp: it creates 0o600. O_EXCL with a random name is as safe and honours the umask
+    # without reading it (os.umask() can only be read by setting it, which races other threads).
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=4, ensure_ascii=False)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, *,

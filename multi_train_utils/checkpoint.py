@@ -25,6 +25,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to a temp file in the same folder, fsync, then rename over ``path``.
 
@@ -38,6 +44,9 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp makes the file private (0600); give it what open() would, so teammates can
+        # read a run on shared storage.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -237,6 +237,31 @@ def all_ranks_ok(ok: bool) -> bool:
     return flag.item() == 0
 
 
+# Gradient compression for DDP's all-reduce, from torch's own hooks. Off by default: it
+# rounds every gradient to 16 bits, so results differ (slightly) from a single process on the
+# union of the batches. Worth it where the all-reduce, not the compute, bounds the step (gloo over
+# TCP; GPUs without NVLink). On 2 CPU ranks here it halved the bytes and raised the scaling
+# efficiency from ~0.63 to ~0.71 (README, "Speed").
+COMM_HOOKS = ("none", "bf16", "fp16")
+
+
+def register_comm_hook(model: torch.nn.Module, name: str) -> None:
+    """Compress ``model``'s (a ``DistributedDataParallel``) gradient all-reduce to ``name``.
+
+    ``"bf16"``/``"fp16"`` cast each bucket to 16 bits, all-reduce the mean and cast back
+    (``default_hooks.bf16_compress_hook``/``fp16_compress_hook``); ``"none"`` keeps DDP's exact
+    fp32 all-reduce.
+    """
+    if name not in COMM_HOOKS:
+        raise ValueError(f"comm hook {name!r} is not one of {', '.join(COMM_HOOKS)}.")
+    if name == "none":
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+    model.register_comm_hook(None, hook[name])  # None: the default process group
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it, so two jobs never share one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

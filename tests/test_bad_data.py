@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +26,8 @@ from multi_train_utils.checkpoint import CheckpointError
 from multi_train_utils.distributed_utils import DistInfo
 from my_dataset import IGNORE_INDEX, MyDataSet, check_image, load_image_tensor, load_pil_image
 from train_common import _build_data, _build_model, get_args_parser
-from utils import DataError, read_split_data, scan_image_folder, split_train_val
+from utils import (DataError, read_split_data, scan_image_folder, split_train_val,
+                   write_json_atomic)
 
 LAUNCH = "train_multi_gpu_using_launch.py"
 # Class folder names sort as Python sorts str: "café" < "red rose" < "single" < "日本".
@@ -167,6 +169,139 @@ def test_scan_errors_say_what_and_where(tmp_path, case, message):
     assert message in str(err.value) and str(root) in str(err.value)
 
 
+def _bytes_path(folder: Path, name: bytes) -> str:
+    """A path whose last part is raw bytes (e.g. latin-1), as Python sees it: surrogate-escaped."""
+    return os.fsdecode(os.path.join(os.fsencode(folder), name))
+
+
+def _write_skipped_like_training(scan, out: Path) -> list[str]:
+    # As train_common writes skipped_files.txt: this raised UnicodeEncodeError before the fix.
+    (out / "skipped_files.txt").write_text("".join(f"{p}\t{why}\n" for p, why in scan.skipped),
+                                           encoding="utf-8")
+    return (out / "skipped_files.txt").read_text(encoding="utf-8").splitlines()
+
+
+def test_non_utf8_file_names_are_skipped_and_listed_printably(tmp_path):
+    root = two_class_data(tmp_path / "data", 3)
+    write_jpeg(Path(_bytes_path(root / "a", b"bad\xff.jpg")), 7)  # a valid image, bad name
+    os.mkdir(_bytes_path(root / "b", b"sub\xe9"))
+    write_jpeg(Path(_bytes_path(root / "b", b"sub\xe9")) / "ok.jpg", 8)
+    scan = scan_image_folder(str(root))
+    assert [len(x) for x in scan.images] == [3, 3]
+    assert scan.skipped == [
+        (str(root / "a" / "bad\\xff.jpg"), "file name is not valid UTF-8; rename it"),
+        (str(root / "b" / "sub\\xe9" / "ok.jpg"), "folder name is not valid UTF-8; rename it")]
+    (tmp_path / "out").mkdir()
+    listed = _write_skipped_like_training(scan, tmp_path / "out")
+    assert listed[0] == f"{root / 'a'}/bad\\xff.jpg\tfile name is not valid UTF-8; rename it"
+    assert "1 file name is not valid UTF-8; rename it" in scan.summary()
+
+
+def test_non_utf8_class_folder_is_a_data_error_naming_it(tmp_path):
+    root = two_class_data(tmp_path / "data", 2)
+    make_class(Path(_bytes_path(root, b"caf\xe9")), 2, 3)
+    with pytest.raises(DataError) as err:
+        read_split_data(str(root), output_dir=str(tmp_path))
+    message = str(err.value)
+    assert "class folder caf\\xe9 in" in message and str(root) in message
+    assert "not valid UTF-8; rename it" in message
+    message.encode("utf-8")  # printable, so the one "error:" line can be shown and logged
+    assert not (tmp_path / "class_indices.json").exists()
+
+
+def test_write_json_atomic_cleans_up_and_uses_normal_permissions(tmp_path):
+    target = tmp_path / "class_indices.json"
+    old_umask = os.umask(0o022)
+    try:
+        write_json_atomic(target, {"0": "a"})
+        assert target.stat().st_mode & 0o777 == 0o644  # mkstemp would give 0o600
+        os.umask(0o002)
+        write_json_atomic(target, {"0": "b"})
+        assert target.stat().st_mode & 0o777 == 0o664
+    finally:
+        os.umask(old_umask)
+    with pytest.raises(UnicodeEncodeError):  # a surrogate-escaped name cannot be written
+        write_json_atomic(target, {"0": "caf\udce9"})
+    with pytest.raises(TypeError):  # not JSON at all
+        write_json_atomic(target, {"0": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["class_indices.json"]  # no temp left
+    assert json.loads(target.read_text(encoding="utf-8")) == {"0": "b"}  # old file intact
+
+
+def _deny(monkeypatch, *denied: Path) -> None:
+    """Make listing ``denied`` folders fail as chmod 000 would (tests run as root, which
+    ignores permission bits)."""
+    real_scandir, real_listdir = os.scandir, os.listdir
+
+    def check(path):
+        if path is not None and os.fspath(path) in {str(d) for d in denied}:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+
+    def scandir(path="."):
+        check(path)
+        return real_scandir(path)
+
+    def listdir(path="."):
+        check(path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(os, "listdir", listdir)
+
+
+def test_unreadable_data_root_is_a_data_error(tmp_path, monkeypatch):
+    root = two_class_data(tmp_path / "data", 2)
+    _deny(monkeypatch, root)
+    with pytest.raises(DataError, match="cannot read data folder .*: permission denied") as err:
+        scan_image_folder(str(root))
+    assert str(root) in str(err.value)
+
+
+def test_unreadable_class_or_sub_folder_is_listed(tmp_path, monkeypatch):
+    root = two_class_data(tmp_path / "data", 2)
+    make_class(root / "locked", 2, 3)
+    make_class(root / "b" / "private", 2, 4)
+    _deny(monkeypatch, root / "locked", root / "b" / "private")
+    scan = scan_image_folder(str(root))
+    assert scan.classes == ["a", "b"] and [len(x) for x in scan.images] == [2, 2]
+    assert scan.dropped_classes == ["locked"]
+    assert scan.skipped == [(str(root / "b" / "private"), "permission denied"),
+                            (str(root / "locked"), "permission denied")]
+    assert "2 permission denied" in scan.summary()
+
+
+def test_hidden_folders_in_a_class_are_listed_not_entered(tmp_path):
+    root = two_class_data(tmp_path / "data", 2)
+    make_class(root / "a" / ".hiddendir", 2, 3)
+    (root / "a" / ".hiddendir" / "notes.txt").write_text("inside: must not be listed")
+    scan = scan_image_folder(str(root))
+    assert [len(x) for x in scan.images] == [2, 2]
+    assert scan.skipped == [(str(root / "a" / ".hiddendir"), "hidden folder")]
+
+
+def test_symlinked_duplicates_are_kept_once(tmp_path):
+    root = two_class_data(tmp_path / "data", 3)
+    a, b = root / "a", root / "b"
+    (a / "link_to_00.jpg").symlink_to(a / "00.jpg")  # same class
+    (b / "zz_from_a.jpg").symlink_to(a / "01.jpg")  # another class: "a" sorts first, keeps it
+    (a / "aa_from_b.jpg").symlink_to(b / "02.jpg")  # the link sorts first: b's real file goes
+    (b / "loop").symlink_to(b, target_is_directory=True)  # a folder loop: walked once
+    scan = scan_image_folder(str(root))
+    flat = [p for paths in scan.images for p in paths]
+    assert len({os.path.realpath(p) for p in flat}) == len(flat) == 6  # 6 real files, each once
+    assert scan.images[0] == [str(a / n) for n in ("00.jpg", "01.jpg", "02.jpg", "aa_from_b.jpg")]
+    assert scan.images[1] == [str(b / "00.jpg"), str(b / "01.jpg")]  # 02 went to "a"
+    assert scan.skipped == [
+        (str(a / "link_to_00.jpg"), f"duplicate (same file as {a / '00.jpg'})"),
+        (str(b / "02.jpg"), f"duplicate (same file as {a / 'aa_from_b.jpg'})"),
+        (str(b / "loop"), f"duplicate (same folder as {b})"),
+        (str(b / "zz_from_a.jpg"), f"duplicate (same file as {a / '01.jpg'})")]
+    assert "skipped 4 file(s): 4 duplicate" in scan.summary()  # one reason, however many firsts
+    _, _, val_p, _, _ = split_train_val(scan.images, 0.5)
+    assert not {os.path.realpath(p) for p in val_p} & {
+        os.path.realpath(p) for p in flat if p not in val_p}  # no image in both splits
+
+
 def test_split_warns_for_class_without_val_image_and_val_rate_zero_is_empty():
     images = [[f"a{i}" for i in range(5)], ["b0"]]
     *_, val_y, warnings = split_train_val(images, 0.2, class_names=["a", "b"])
@@ -234,6 +369,29 @@ def test_unreadable_image_is_reported_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="my_dataset"):
         assert ds[0][1] == IGNORE_INDEX and ds[0][1] == IGNORE_INDEX
     assert caplog.text.count(f"skipping unreadable image {broken}") == 1
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_unreadable_at_load_time_goes_to_skip_log_once(tmp_path, persistent):
+    good = write_jpeg(tmp_path / "g.jpg", 0)
+    broken = jpeg_without_scan(good, tmp_path / "broken.jpg")
+    odd = jpeg_without_scan(good, Path(_bytes_path(tmp_path, b"bad\xff.jpg")))
+    log_file = tmp_path / "out" / "skipped_files.txt"
+    log_file.parent.mkdir()
+    log_file.write_text("from/the/scan.jpg\tempty file\n", encoding="utf-8")
+    # Every rank logs (report_errors off here: the file must not depend on it).
+    ds = MyDataSet([str(good), str(broken), str(odd)], [0, 1, 1], decoder="tensor",
+                   report_errors=False, skip_log=log_file)
+    loader = DataLoader(ds, batch_size=1, num_workers=2, persistent_workers=persistent,
+                        collate_fn=MyDataSet.collate_fn)
+    for _ in range(3):  # each bad sample meets a different worker over the epochs
+        assert torch.cat([y for _, y in loader]).tolist() == [0, IGNORE_INDEX, IGNORE_INDEX]
+    lines = log_file.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == "from/the/scan.jpg\tempty file"  # appended, not overwritten
+    assert sorted(line.split("\t")[0] for line in lines[1:]) == [
+        str(tmp_path / "bad\\xff.jpg"), str(broken)]  # once each, printable
+    assert all(line.split("\t")[1].startswith("not a readable image at load time (")
+               for line in lines[1:])
 
 
 def _exif_jpeg(path: Path, orientation: int) -> Path:

@@ -17,6 +17,8 @@ import pytest
 from conftest import run
 from PIL import Image
 
+from model import get_model
+
 TINY_BENCH = ["--device", "cpu", "--model", "resnet18", "--img-size", "32", "--batch-size", "2",
               "--pipeline-images", "4", "--pipeline-size", "64", "--steps", "2",
               "--warmup-steps", "1", "--repeats", "2", "--max-procs", "2", "--epoch-images", "100"]
@@ -93,7 +95,24 @@ def test_json_holds_every_figure(bench):
     assert results["2"]["efficiency"] == pytest.approx(
         results["2"]["img_per_s"] / (2 * results["1"]["img_per_s"]))
     assert results["1"]["backend"].startswith("none") and results["2"]["backend"] == "gloo"
-    assert scaling["memory_kind"] == "peak RSS"
+    assert scaling["memory_kind"] == "peak RSS" and scaling["comm_hook"] == "none"
+    # The largest count again: no gradient communication (the ceiling) and bf16 compression.
+    explain = scaling["explain"]
+    assert (explain["no_comm"]["variant"], explain["no_comm"]["comm_hook"]) == ("no_comm", None)
+    assert explain["comm_hook_bf16"]["comm_hook"] == "bf16"
+    for entry in (explain["no_comm"], explain["comm_hook_bf16"]):
+        assert entry["processes"] == 2 and entry["backend"] == "gloo"
+        assert entry["efficiency"] == pytest.approx(
+            entry["img_per_s"] / (2 * results["1"]["img_per_s"]))
+    summary = explain["summary"]
+    assert summary["ceiling_efficiency"] == explain["no_comm"]["efficiency"]
+    assert summary["communication_loss"] == pytest.approx(
+        1 - results["2"]["efficiency"] / explain["no_comm"]["efficiency"])
+    assert summary["step_ms_1_process"] == pytest.approx(2 / results["1"]["img_per_s"] * 1e3)
+    all_reduce = summary["all_reduce_ms"]
+    assert all_reduce == results["2"]["all_reduce_ms"]
+    assert all_reduce["numel"] == sum(p.numel() for p in get_model("resnet18", num_classes=5).parameters())
+    assert _positive(all_reduce["fp32"]) and _positive(all_reduce["bf16"])
     assert report["peak_memory"]["per_rank"] == {n: e["peak_memory_mib"]
                                                  for n, e in results.items()}
 
@@ -115,7 +134,9 @@ def test_chart_is_a_png_and_table_is_printed(bench):
 
     # The generated photos are cached where --image-dir says, not in the repo or the home cache.
     assert len(list((tmp / "photos").glob("*.jpg"))) == 4
-    for heading in ("Input pipeline", "Training loop", "Scaling", "speed-up", "efficiency"):
+    for heading in ("Input pipeline", "Training loop", "Scaling", "speed-up", "efficiency",
+                    "no communication: no DDP, no SyncBN (ceiling)", "--comm-hook bf16",
+                    "all-reduce of the"):
         assert heading in proc.stdout, heading
     assert "command: python benchmark.py" in proc.stdout
     report = json.loads((out / "benchmark.json").read_text())

@@ -31,7 +31,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 from conftest import TINY_FLAGS, run, torchrun_cmd
 from dist_helpers import flat_state, run_ranks
 from model import get_model
-from multi_train_utils.distributed_utils import reduce_value
+from multi_train_utils.distributed_utils import reduce_value, register_comm_hook
 from multi_train_utils.sync_batchnorm import SyncBatchNormCPU, convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
@@ -328,6 +328,54 @@ def test_ddp_step_equals_single_process_step_on_the_union(bn, tmp_path):
             torch.testing.assert_close(state[key], want, rtol=1e-7, atol=1e-9,
                                        msg=f"rank {rank}: {key}")
     assert not torch.allclose(ref[0].weight, initial["0.weight"])  # the step moved something
+
+
+def _comm_hook_worker(rank: int, world: int, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      hook: str) -> list[torch.Tensor]:
+    ddp = DDP(copy.deepcopy(model))
+    register_comm_hook(ddp, hook)
+    part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    F.cross_entropy(ddp(x[part]), y[part]).backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+# Unit roundoff of a 16-bit cast: bf16 keeps 8 significant bits, fp16 11.
+ROUNDOFF = {"none": 0.0, "bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    model = copy.deepcopy(model)
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("hook", ["none", "bf16", "fp16"])
+def test_comm_hook_all_reduces_the_mean_gradient_at_its_precision(hook, tmp_path):
+    model = tiny_net(5, bn=False, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2 * PER_RANK, 3, 6, 6, generator=gen)
+    y = torch.randint(0, 5, (2 * PER_RANK,), generator=gen)
+    per_rank = run_ranks(_comm_hook_worker, 2, tmp_path, model, x, y, hook)
+
+    exact = _grads(model, x, y)  # the mean over all 2B samples, in fp32
+    halves = [_grads(model, x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK])
+              for r in range(2)]
+    u = ROUNDOFF[hook]
+    for a, b in zip(*per_rank):
+        assert torch.equal(a, b)  # every rank holds the same averaged gradient
+    worst = 0.0
+    for got, want, g0, g1 in zip(per_rank[0], exact, *halves):
+        # Each rank's g/2 is rounded once, their sum once more: |error| <= u(|g0|+|g1|)/2 + u|sum|.
+        bound = u * (g0.abs() + g1.abs()) / 2 + u * want.abs() + 1e-6
+        assert torch.all((got - want).abs() <= bound), hook
+        worst = max(worst, ((got - want).abs() / (g0.abs() + g1.abs() + 1e-6)).max().item())
+    if hook != "none":  # the gradients really went through 16 bits
+        assert worst > u / 64, f"{hook}: gradients are exact, the hook did not run"
+
+
+def test_register_comm_hook_rejects_unknown_names():
+    with pytest.raises(ValueError, match="'powersgd' is not one of none, bf16, fp16"):
+        register_comm_hook(nn.Linear(2, 2), "powersgd")
 
 
 # ------------------------------------------------------------------ 4. ranks stay in lockstep

@@ -51,10 +51,13 @@ def test_legacy_launch_use_env(tiny_data, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--use_env", "--nproc_per_node=2",
            f"--master_port={find_free_port()}", "train_multi_gpu_using_launch.py",
-           "--data-path", str(tiny_data), *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out)]
+           "--data-path", str(tiny_data), *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out),
+           "--comm-hook", "bf16"]
     res = run(cmd)
     assert res.returncode == 0, res.stderr[-3000:]
     check_run_dir(out, epochs=1, world_size=2)
+    # Gradient compression reaches DDP (its numerics: test_distributed_correctness).
+    assert (res.stderr + res.stdout).count("DDP all-reduces gradients in bf16") == 1
 
 
 def test_spawn_two_cpu_processes(tiny_data, tmp_path):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,93 @@ def test_labels_must_match_run_count(runs: tuple[Path, Path], tmp_path: Path) ->
 
     loaded = plot_results.load_runs(runs, ["1 GPU", "2 GPUs"])
     assert [run.label for run in loaded] == ["1 GPU", "2 GPUs"]
+
+
+def _main_exit_code(*argv: str | Path) -> int:
+    """Run plot_results.main in-process; the exit code (0 when it returns normally)."""
+    try:
+        plot_results.main(plot_results.get_args_parser().parse_args([str(a) for a in argv]))
+    except SystemExit as exc:
+        return int(exc.code)
+    return 0
+
+
+@pytest.mark.parametrize("where", ["existing file", "below a file"])
+def test_unusable_out_dir_exits_2_with_one_line(
+    runs: tuple[Path, Path], tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "plots"
+    blocker.write_text("a file where the folder should be")
+    out = blocker if where == "existing file" else blocker / "sub"
+
+    with caplog.at_level(logging.WARNING):
+        code = _main_exit_code(*runs, "--out-dir", out)
+
+    assert code == 2
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert str(out) in message
+    assert ("existing file" if where == "existing file" else "Not a directory") in message
+    assert blocker.read_text() == "a file where the folder should be"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_out_dir_exits_2_with_one_line(
+    runs: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "plots"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        with caplog.at_level(logging.WARNING):
+            code = _main_exit_code(*runs, "--out-dir", out)
+    finally:
+        out.chmod(0o755)
+
+    assert code == 2
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert str(out) in message and "Permission denied" in message
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("dpi", ["0", "-5"])
+def test_non_positive_dpi_is_rejected_by_the_parser(
+    runs: tuple[Path, Path], tmp_path: Path, dpi: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        plot_results.get_args_parser().parse_args([str(runs[0]), "--out-dir", str(tmp_path / "p"), "--dpi", dpi])
+
+    assert exc.value.code == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert "--dpi" in line and f"expected a positive integer, got '{dpi}'" in line
+
+
+def test_metrics_file_is_accepted_as_the_run(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    one, two = runs
+
+    loaded = plot_results.load_runs([one / "metrics.jsonl", two / "metrics.jsonl"])
+
+    assert [run.label for run in loaded] == ["one_proc", "two_procs (resnet34, 2 procs, syncBN)"]
+    assert [[r["epoch"] for r in run.records] for run in loaded] == [[0, 1, 2], [0, 1, 2, 3]]
+    assert _main_exit_code(one / "metrics.jsonl", "--out-dir", tmp_path / "plots") == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(PNGS)
+
+
+def test_missing_glyph_warnings_are_silenced_only_while_plotting(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    labels = ["向日葵", "玫瑰"]  # sunflower, rose: not in matplotlib's default DejaVu Sans
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plot_results.plot_accuracy(plot_results.load_runs(runs, labels)).savefig(tmp_path / "probe.png")
+    if not any("missing from font" in str(w.message) for w in caught):
+        pytest.skip("the default font has CJK glyphs here, so matplotlib has nothing to warn about")
+
+    filters_before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = _main_exit_code(*runs, "--out-dir", tmp_path / "plots", "--labels", *labels)
+        warnings.warn("Glyph 1 (X) missing from font(s) Test.", UserWarning)  # after main: not silenced
+
+    assert code == 0
+    assert [str(w.message) for w in caught if "missing from font" in str(w.message)] == [
+        "Glyph 1 (X) missing from font(s) Test."
+    ]
+    assert warnings.filters == filters_before

@@ -216,3 +216,121 @@ def test_load_image_applies_exif_orientation_and_makes_rgb(tmp_path: Path) -> No
 
     assert image.shape == (3, 40, 20)  # (C, H, W): width and height swapped by the EXIF tag
     assert image.dtype == torch.uint8
+
+
+def _main(*argv: str | Path) -> int:
+    """Run predict.main in-process; the exit code (0 when it returns normally)."""
+    try:
+        predict.main(predict.get_args_parser().parse_args([str(a) for a in argv]))
+    except SystemExit as exc:
+        return int(exc.code)
+    return 0
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_folder_skips_hidden_files_but_explicit_ones_are_read(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    good = _noise_image(folder / "g0.jpg", (40, 40), "RGB", seed=4)
+    apple_double = folder / "._g0.jpg"  # macOS resource fork: an image name, not image bytes
+    apple_double.write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    _noise_image(folder / ".thumb.png", (40, 40), "RGB", seed=5)  # hidden, though readable
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", run["dir"] / "checkpoint.pth", folder)
+
+    assert code == 0, _errors(caplog)
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == [str(good)]
+    assert predict.collect_images([apple_double]) == [apple_double]  # named explicitly: still read
+
+
+def test_dangling_symlink_in_folder_is_reported(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    good = _noise_image(folder / "a.jpg", (40, 40), "RGB", seed=6)
+    (folder / "b.jpg").symlink_to(tmp_path / "gone.jpg")
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", run["dir"] / "checkpoint.pth", folder)
+
+    assert code == 1
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == [str(good)]
+    errors = _errors(caplog)
+    assert any(str(folder / "b.jpg") in e and "dangling symlink" in e and "gone.jpg" in e for e in errors), errors
+
+
+def test_dataset_root_is_searched_recursively_without_loops(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "flowers"  # training's layout: one sub-folder per class, nested folders allowed
+    (root / "daisy").mkdir(parents=True)
+    (root / "rose" / "more").mkdir(parents=True)
+    (root / ".cache").mkdir()
+    expected = [
+        _noise_image(root / "daisy" / "d0.jpg", (40, 40), "RGB", seed=7),
+        _noise_image(root / "rose" / "more" / "r1.png", (40, 40), "RGB", seed=8),
+        _noise_image(root / "rose" / "r0.JPG", (40, 40), "RGB", seed=9),
+    ]
+    _noise_image(root / ".cache" / "c.jpg", (40, 40), "RGB", seed=10)  # hidden folder: skipped
+    (root / "rose" / "loop").symlink_to(root, target_is_directory=True)  # must neither hang nor repeat
+
+    assert predict.collect_images([root]) == sorted(expected)
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", run["dir"] / "checkpoint.pth", root)
+
+    assert code == 0, _errors(caplog)
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == list(map(str, sorted(expected)))
+
+
+@pytest.mark.parametrize("best", [True, False])
+def test_weights_directory_exits_2_and_names_the_file_inside(
+    run: dict, tmp_path: Path, best: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint.pth").write_bytes((run["dir"] / "checkpoint.pth").read_bytes())
+    if best:
+        (out / "model_best.pth").write_bytes((run["dir"] / "checkpoint.pth").read_bytes())
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", out, run["images"][0])
+
+    assert code == 2
+    (message,) = _errors(caplog)
+    assert "is a directory" in message and "does not exist" not in message
+    assert f"--weights {out / ('model_best.pth' if best else 'checkpoint.pth')}" in message
+
+
+def test_bare_weights_use_the_runs_args_json_unless_flags_say_otherwise(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A copy of training's output dir for a bare per-epoch file: weights/model-2.pth, with
+    # args.json and class_indices.json one folder up.
+    out = tmp_path / "out"
+    (out / "weights").mkdir(parents=True)
+    weights = out / "weights" / "model-2.pth"
+    weights.write_bytes((run["dir"] / "weights" / "model-2.pth").read_bytes())
+    (out / "class_indices.json").write_text((run["dir"] / "class_indices.json").read_text())
+    image = run["images"][0]
+
+    def top1(*flags: str | Path) -> float:
+        with caplog.at_level(logging.INFO):
+            code = _main("--weights", weights, "--top-k", "1", *flags, image)
+        assert code == 0, _errors(caplog)
+        (line,) = capsys.readouterr().out.splitlines()
+        return float(PAIR.match(line.split("\t")[1])["prob"])
+
+    (out / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": IMG_SIZE, "epochs": 3}))
+    assert top1() == pytest.approx(_expected_probs(run["model"], image).max().item(), abs=6e-4)
+
+    # Explicit flags win over args.json (which here names an architecture the weights do not fit).
+    (out / "args.json").write_text(json.dumps({"model": "resnet34", "img_size": 224}))
+    expected_32 = _expected_probs(run["model"], image, img_size=32).max().item()
+    assert top1("--model", "resnet18", "--img-size", "32") == pytest.approx(expected_32, abs=6e-4)

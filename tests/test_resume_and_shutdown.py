@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -401,7 +402,7 @@ def _three_class_copy(data: Path, dest: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["bare-state-dict", "other-model-args", "other-classes-args",
-                                  "other-model-no-args", "other-classes-no-args"])
+                                  "renamed-class", "other-model-no-args", "other-classes-no-args"])
 def test_resume_from_unusable_checkpoint_exits_2(case, run_a, tiny_data, tmp_path, train_here):
     data, extra = tiny_data, []
     path = tmp_path / "given.pth"
@@ -410,10 +411,17 @@ def test_resume_from_unusable_checkpoint_exits_2(case, run_a, tiny_data, tmp_pat
         expect = "--weights"
     elif case == "other-model-args":  # our own checkpoint, another --model
         shutil.copy(run_a / "checkpoint.pth", path)
-        extra, expect = ["--model", "resnet34"], "model=resnet18"
+        extra, expect = ["--model", "resnet34"], "--model resnet18"
     elif case == "other-classes-args":  # our own checkpoint (5 classes), a 3-class dataset
         shutil.copy(run_a / "checkpoint.pth", path)
-        data, expect = _three_class_copy(tiny_data, tmp_path / "three"), "num_classes=5"
+        data = _three_class_copy(tiny_data, tmp_path / "three")
+        expect = "classes daisy, dandelion, roses, sunflowers, tulips but the data has daisy, "
+    elif case == "renamed-class":  # 5 classes again, but the labels would shift by one
+        shutil.copy(run_a / "checkpoint.pth", path)
+        data = tmp_path / "renamed"
+        shutil.copytree(tiny_data, data)
+        (data / "tulips").rename(data / "a_tulips")
+        expect = "the data has a_tulips, daisy, dandelion, roses, sunflowers (a_tulips, tulips)"
     elif case == "other-model-no-args":  # a checkpoint without recorded args: shapes decide
         torch.save({"model": get_model("resnet34", num_classes=5).state_dict(), "epoch": 0}, path)
         expect = "resnet18"
@@ -425,7 +433,8 @@ def test_resume_from_unusable_checkpoint_exits_2(case, run_a, tiny_data, tmp_pat
     assert code == 2, err[-3000:]
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and str(path) in errors[0] and expect in errors[0], err[-3000:]
-    assert not (tmp_path / "out" / "checkpoint.pth").exists()
+    # Refused before anything was written: no half-started run beside the checkpoint.
+    assert not any(p.is_file() and p.name != ".lock" for p in (tmp_path / "out").rglob("*"))
 
 
 def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
@@ -580,3 +589,112 @@ def test_dist_timeout_turns_a_stuck_peer_into_an_error(tmp_path, launched):
     assert "timed out" in output.lower() or "timeout" in output.lower(), output[-3000:]
     assert rank1.proc.poll() is None  # the peer really was still there, just not participating
 
+
+
+# ---------------------------------------------------------------- 6. the output folder is guarded
+def test_earlier_run_without_checkpoint_is_never_overwritten(run_a, tmp_path, tiny_data,
+                                                             train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    (out / "checkpoint.pth").unlink()  # e.g. deleted to save space, or a copy without it
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1)))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err[-3000:]
+    assert (f"{out} holds an earlier run (metrics.jsonl, model_best.pth, weights/) but no "
+            "checkpoint.pth") in errors[0]
+    assert "--resume none" in errors[0]
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before  # not one byte of the earlier run changed
+
+    (out / "checkpoint.pth").mkdir()  # not a file: refused too, before anything is written
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1)))
+    assert code == 2 and f"{out / 'checkpoint.pth'} is not a file" in err, err[-3000:]
+
+    # Explicitly starting over is allowed.
+    (out / "checkpoint.pth").rmdir()
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1", "--resume", "none"))
+    assert code == 0, err[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0]
+
+
+def test_second_run_on_a_busy_output_dir_is_refused(tmp_path, tiny_data, train_here):
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".lock", "w") as holder:  # what a live run holds
+        holder.write("4242\n")
+        holder.flush()
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, err = train_here(flags(tiny_data, out, "--epochs", "1"))
+    assert code == 2, err[-3000:]
+    assert f"another training run (pid 4242) is using --output-dir {out}" in err
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1"))  # the lock died with it
+    assert code == 0, err[-3000:]
+    assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+
+
+@pytest.mark.parametrize("case", ["under-a-file", "missing-resume", "resume-folder",
+                                  "eval-only-unfit-weights"])
+def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, train_here):
+    out, extra = tmp_path / "out", []
+    if case == "under-a-file":
+        (tmp_path / "file").write_text("x")
+        out, expect = tmp_path / "file" / "run", "is (under) a file, not a folder"
+    elif case == "missing-resume":
+        extra, expect = ["--resume", str(tmp_path / "nope.pth")], "nope.pth does not exist"
+    elif case == "resume-folder":
+        extra = ["--resume", str(run_a)]
+        expect = f"is a folder; give a file, e.g. {run_a / 'checkpoint.pth'}"
+    else:  # resnet18 weights evaluated as resnet34 would print a meaningless accuracy
+        extra = ["--eval-only", "--weights", str(run_a / "weights" / "model-0.pth"), "--model",
+                 "resnet34"]
+        expect = "--eval-only: "
+    code, err = train_here(flags(tiny_data, out, *extra))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and expect in errors[0], err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_resume_on_another_world_size_rescales_the_lr(run_a, tmp_path, tiny_data, train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    stale = [out / ".checkpoint.pth.k1ll3d.tmp", out / "weights" / ".model-3.pth.k1ll3d.tmp",
+             out / "metrics.jsonl.tmp"]
+    for path in stale:  # left by saves a kill -9 interrupted
+        path.write_bytes(b"partial")
+    epochs = EPOCHS + 1
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(epochs)))  # 1 process, was 2
+    assert code == 0, err[-3000:]
+    assert "was trained by 2 process(es), this run has 1" in err
+    assert not any(path.exists() for path in stale)
+
+    saved = load_ckpt(run_a / "checkpoint.pth")["args"]
+    lam = lambda e: (1 + math.cos(e * math.pi / epochs)) / 2 * (1 - saved["lrf"]) + saved["lrf"]  # noqa: E731
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics] == list(range(epochs))
+    # Linear scaling: 1 process trains at half the 2-process learning rate, on the new schedule.
+    assert metrics[-1]["lr"] == pytest.approx(saved["lr"] * 1 * lam(EPOCHS), rel=1e-9)
+    ckpt = out / "checkpoint.pth"
+    assert load_ckpt(ckpt)["lr_scheduler"]["base_lrs"] == [pytest.approx(saved["lr"])]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert ckpt.stat().st_mode & 0o777 == 0o666 & ~umask  # readable by the team, as open() makes
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_ranks_stop_when_their_launcher_is_killed(launcher, tmp_path, tiny_data, launched):
+    out = tmp_path / "out"
+    argv = flags(tiny_data, out, "--epochs", "50")
+    cmd = (torchrun_cmd(2, LAUNCH, *argv) if launcher == "torchrun" else
+           [sys.executable, "train_multi_gpu_using_spawn.py", "--world-size", "2", *argv])
+    tree = launched(cmd)
+    tree.wait_for(epochs_done(out, 1), "the first epoch")
+    ranks = [pid for pid in tree.children() if pid]
+    assert ranks, tree.output()[-2000:]
+    os.kill(tree.proc.pid, signal.SIGKILL)  # no chance to stop its ranks itself
+    tree.wait_all_gone(60)  # no orphan trains on (fails with the survivors' pids)
