@@ -10,7 +10,6 @@ import random
 import shutil
 import stat
 import tempfile
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from torchvision.transforms import v2
 
+from multi_train_utils.checkpoint import write_atomic
 from multi_train_utils.distributed_utils import is_main_process
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401 (re-export)
 from my_dataset import check_image, printable_path
@@ -230,24 +230,9 @@ def split_train_val(images: Sequence[Sequence[str]], val_rate: float, seed: int 
 
 
 def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
-    """Write JSON so a reader never sees half a file (temp file + rename).
-
-    The file gets the permissions ``open()`` would give it (0o666 less the umask), so teammates
-    can read run files on shared storage; on failure no temp file is left behind.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkstemp: it creates 0o600. O_EXCL with a random name is as safe and honours the umask
-    # without reading it (os.umask() can only be read by setting it, which races other threads).
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=4, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write JSON so a reader never sees half a file (``write_atomic``: temp file + rename)."""
+    text = json.dumps(obj, indent=4, ensure_ascii=False)
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, *,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import random
 import re
-import tempfile
+import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -25,37 +26,38 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def _umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it
-    os.umask(mask)
-    return mask
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """``write(f)`` into a temp file in ``path``'s folder, fsync, then rename over ``path``.
 
-
-def save_atomic(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temp file in the same folder, fsync, then rename over ``path``.
-
-    A crash (or kill -9) at any point leaves either the old file or the new one, never half.
+    A crash (or kill -9) at any point leaves either the old file or the new one, never half; a
+    failure removes the temp file. The file gets what ``open()`` would give it (0o666 less the
+    umask, not mkstemp's 0o600), so teammates can read a run on shared storage.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # O_EXCL on a random name is as safe as mkstemp and honours the umask without reading it
+    # (os.umask() can only be read by setting it, which races other threads).
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp makes the file private (0600); give it what open() would, so teammates can
-        # read a run on shared storage.
-        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:  # make the rename itself durable
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (see :func:`write_atomic`)."""
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def load_file(path: str | os.PathLike) -> Any:
