@@ -7,6 +7,7 @@ processes start; each process then runs :func:`train` with the same arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,9 +203,34 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True, stream=sys.stderr)
 
 
+# Signals that arrived while a checkpoint was being written (None: not writing one).
+_held_signals: list[int] | None = None
+
+
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     _expect_worker_deaths()
+    # An exception raised inside torch.save leaves its zip writer half done; its clean-up then
+    # fails with "unexpected pos" and the epoch just trained is lost. So while checkpoints are
+    # written the signal waits; a second Ctrl-C does not (e.g. a save hung on a dead NFS mount).
+    if _held_signals is not None and not (signum == signal.SIGINT and signal.SIGINT in _held_signals):
+        _held_signals.append(signum)
+        return
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Finish the block before a SIGINT/SIGTERM takes effect, then raise it as usual."""
+    global _held_signals
+    _held_signals = []
+    try:
+        yield
+    finally:
+        held, _held_signals = _held_signals, None
+    if held:
+        log.warning("%s arrived while the checkpoint was written; it is complete, now stopping.",
+                    signal.Signals(held[0]).name)
+        raise KeyboardInterrupt(signal.Signals(held[0]).name)
 
 
 def _expect_worker_deaths() -> None:
@@ -242,6 +269,8 @@ def train(args: argparse.Namespace) -> None:
     # SIGTERM (torchrun, SLURM, the spawn launcher, `kill`) unwinds like Ctrl-C: finally-blocks
     # run, the process group is destroyed and DataLoader workers are shut down.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup &)
+        signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun / torch.distributed.launch
         die_with_launcher()
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
@@ -646,13 +675,14 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                      "classes": classes, "metrics": history, "rng_states": rng_states}
             if scaler.is_enabled():
                 state["scaler"] = scaler.state_dict()
-            save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
-            prune_weights(out / "weights", args.keep_last)
-            if is_best:
-                save_atomic(state, out / "model_best.pth")
-            save_atomic(state, out / "checkpoint.pth")  # last: it marks the epoch as done
-            with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            with _signals_held():
+                save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
+                prune_weights(out / "weights", args.keep_last)
+                if is_best:
+                    save_atomic(state, out / "model_best.pth")
+                save_atomic(state, out / "checkpoint.pth")  # last: it marks the epoch as done
+                with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
             log.info("[epoch %d] train loss %.4f  val acc %.4f%s  val loss %.4f  lr %.2e  %.1fs  "
                      "%.0f img/s", epoch, train_loss, val_acc,
                      f"  top5 {result.top5:.4f}" if result.top5 is not None else "", result.loss,

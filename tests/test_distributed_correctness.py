@@ -446,6 +446,33 @@ def test_reduce_value_without_process_group_returns_the_value():
     assert float(reduce_value(2.5)) == 2.5
 
 
+class _InCycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_cleanup_destroys_the_group_and_collects_garbage_cycles():
+    """What DDP leaves in garbage cycles (gloo work holding Python state) is freed by cleanup(),
+    not during interpreter shutdown, where it aborted 1 in 3 torchrun runs of the example."""
+    import gc
+    import weakref
+
+    from multi_train_utils.distributed_utils import cleanup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    gc.disable()  # only cleanup() may collect
+    try:
+        garbage = weakref.ref(_InCycle())
+        assert garbage() is not None
+        cleanup()
+        assert garbage() is None and not dist.is_initialized()
+        cleanup()  # safe twice
+    finally:
+        gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ 6. loss logging
 LOG_SAMPLES, LOG_BATCH = 14, 3  # 7 per rank -> batches of 3, 3, 1: batch means != sample mean
 IGNORED = 4  # one unreadable sample (label -100): excluded from the mean, not counted as 0

@@ -377,7 +377,8 @@ def train_here(monkeypatch, capfd):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     root = logging.getLogger()
-    saved = (root.handlers[:], root.level, signal.getsignal(signal.SIGTERM))
+    saved = (root.handlers[:], root.level, signal.getsignal(signal.SIGTERM),
+             signal.getsignal(signal.SIGINT))
 
     def call(argv: list[str]) -> tuple[int, str]:
         capfd.readouterr()
@@ -393,6 +394,7 @@ def train_here(monkeypatch, capfd):
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])
     signal.signal(signal.SIGTERM, saved[2])
+    signal.signal(signal.SIGINT, saved[3])
 
 
 def _three_class_copy(data: Path, dest: Path) -> Path:
@@ -448,6 +450,83 @@ def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
     ckpt = load_ckpt(out / "checkpoint.pth")
     assert ckpt["epoch"] == 0 and [m["epoch"] for m in ckpt["metrics"]] == [0]
     assert ckpt["args"]["batch_size"] == 16
+
+
+class _SignalsMidWrite:
+    """A file that sends this process ``signum`` once its first bytes are written (what a kill
+    in the middle of ``torch.save`` looks like to the writer)."""
+
+    def __init__(self, f, signum: int) -> None:
+        self.f, self.signum, self.sent = f, signum, False
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def test_signal_during_checkpoint_write_lets_the_epoch_finish_saving(tmp_path, tiny_data,
+                                                                     train_here, monkeypatch):
+    """SIGTERM in the middle of writing epoch 0's checkpoint: the files are completed, then the
+    run stops with 143 and says so; the rerun resumes from epoch 0 as if nothing happened.
+    (Raised inside torch.save the interrupt would break its zip writer: "unexpected pos".)"""
+    out = tmp_path / "out"
+    real_save = torch.save
+    hit = []
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and "optimizer" in obj and not hit:  # the first full checkpoint
+            hit.append(obj["epoch"])
+            f = _SignalsMidWrite(f, signal.SIGTERM)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert hit == [0]
+    assert code == 143, err[-3000:]
+    assert "SIGTERM arrived while the checkpoint was written" in err, err[-3000:]
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    ckpt = load_file(out / "checkpoint.pth")
+    assert ckpt["epoch"] == 0
+    assert_same_tensors(load_file(out / "weights" / "model-0.pth"), ckpt["model"])
+    assert [m["epoch"] for m in read_metrics(out)] == [0]
+    assert not list(out.rglob(".*.tmp"))
+
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    assert code == 0, err[-3000:]
+    assert "resumed from" in err and "epoch 0 done" in err, err[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
+
+
+def test_second_ctrl_c_does_not_wait_for_the_save(train_here):
+    """While a checkpoint is written one Ctrl-C (or SIGTERM) waits for it; a second Ctrl-C stops
+    at once, e.g. when the save hangs on a dead network mount."""
+    import train_common
+
+    signal.signal(signal.SIGINT, train_common._raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, train_common._raise_keyboard_interrupt)
+    done = []
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        with train_common._signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in a terminal after torchrun's SIGTERM
+            done.append("saved")
+    assert done == ["saved"]
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        with train_common._signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("never")
+    assert done == ["saved"]
+    with train_common._signals_held():  # no signal: nothing raised
+        done.append("quiet")
+    assert done == ["saved", "quiet"]
 
 
 # ---------------------------------------------------------------- 5. elastic restart
