@@ -55,6 +55,8 @@ def load_image_tensor(path: str) -> torch.Tensor:
     cannot decode (e.g. some TIFF/GIF variants); raises on undecodable files."""
     try:
         img = decode_image(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
+        if img.ndim == 4:  # an animated GIF: (frames, 3, H, W); PIL also gives the first frame
+            img = img[0]
         if img.dtype != torch.uint8:  # 16-bit PNG
             img = TF.to_dtype(img, torch.uint8, scale=True)
         return img

@@ -47,7 +47,11 @@ class ConfigError(ValueError):
     """Flags that contradict each other or the data (one sentence, with the fix)."""
 
 
-USER_ERRORS = (DataError, CheckpointError, ConfigError, LaunchError)
+class RunError(RuntimeError):
+    """The run cannot go on for a reason outside the code (disk full, diverged); says the fix."""
+
+
+USER_ERRORS = (DataError, CheckpointError, ConfigError, LaunchError, RunError)
 EXIT_USER_ERROR = 2
 
 
@@ -95,6 +99,17 @@ POSITIVE = _number(float, math.ulp(0.0), "greater than 0")
 NON_NEGATIVE = _number(float, 0.0, "at least 0")
 
 
+def _fraction(text: str) -> float:
+    """``--val-rate``: in [0, 1), checked before the data is scanned."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
+    return value
+
+
+_fraction.__name__ = "float"  # argparse names the type in "invalid float value" errors
+
+
 def default_workers(batch_size: int) -> int:
     # The template's rule: one worker per sample of the batch, at most 8 and the CPU count.
     return min(os.cpu_count() or 1, batch_size if batch_size > 1 else 0, 8)
@@ -113,7 +128,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     data.add_argument("--demo-dir", default=None,
                       help="where the demo dataset is generated and cached "
                            "(default: $DDP_DEMO_DATA or ~/.cache/ddp-template/demo_flowers_v1)")
-    data.add_argument("--val-rate", type=float, default=0.2, help="fraction of each class held out")
+    data.add_argument("--val-rate", type=_fraction, default=0.2, help="fraction of each class held out")
     data.add_argument("--img-size", type=POSITIVE_INT, default=224, help="training/validation crop size")
     data.add_argument("--num-classes", "--num_classes", type=POSITIVE_INT, default=None,
                       help="number of classes (default: the number of class folders)")
@@ -432,9 +447,15 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str]) ->
     try:
         ckpt = load_file(path)
     except CheckpointError as exc:
-        raise CheckpointError(f"{exc} Resume from another file (--resume PATH: model_best.pth, "
-                              "or weights/model-N.pth with --weights), or start over with "
-                              "--resume none.") from exc
+        folder, options = Path(path).parent, []
+        if (folder / "model_best.pth").is_file() and Path(path).name != "model_best.pth":
+            options.append(f"--resume {folder / 'model_best.pth'}")
+        newest = sorted((folder / "weights").glob("model-*.pth"), key=os.path.getmtime)
+        if newest:
+            options.append(f"--resume none --weights {newest[-1]} (weights only; the schedule "
+                           "starts over)")
+        options.append("--resume none to start over")
+        raise CheckpointError(f"{exc} Continue with {', or '.join(options)}.") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "epoch" not in ckpt:
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model'/'epoch'); to start "
                               "from bare weights use --weights instead of --resume.")
@@ -454,6 +475,14 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str]) ->
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
                               f"has {len(classes)}; resume with the data it was trained on, or "
                               "use another --output-dir.")
+    # optimizer.load_state_dict restores these from the checkpoint, whatever the flags say.
+    kept = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
+            for k in ("lr", "momentum", "weight_decay")
+            if k in saved and saved[k] != getattr(args, k)]
+    if kept and not args.eval_only:
+        log.warning("resuming keeps the optimizer of %s: %s; to train with the new value(s), "
+                    "start over with --resume none or another --output-dir.", path,
+                    ", ".join(kept))
     if saved.get("img_size", args.img_size) != args.img_size:
         log.warning("%s was trained at --img-size %s; this run uses %d%s.", path,
                     saved["img_size"], args.img_size,
@@ -508,11 +537,15 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
         if any((out / "weights").glob("model-*.pth")):
             earlier.append("weights/")
         if earlier:
+            best = (f" continue from its best epoch with --resume {out / 'model_best.pth'},"
+                    if (out / "model_best.pth").is_file() else "")
             raise CheckpointError(
                 f"{out} holds an earlier run ({', '.join(earlier)}) but no checkpoint.pth to "
-                f"continue from; use another --output-dir, continue from its best epoch with "
-                f"--resume {out / 'model_best.pth'}, or start over in it with --resume none "
-                "(its files are overwritten).")
+                f"continue from; use another --output-dir,{best} or start over in it with "
+                "--resume none (its files are overwritten).")
+    weights = out / "weights"
+    if weights.exists() and not weights.is_dir():
+        raise ConfigError(f"{weights} is not a folder; move it away or use another --output-dir.")
     # Temp files of saves a kill -9 interrupted (save_atomic, _write_metrics): never read.
     stale = [*out.glob(".*.tmp"), *(out / "weights").glob(".*.tmp"), out / "metrics.jsonl.tmp"]
     removed = sum(1 for path in stale if path.is_file() and not path.unlink())
@@ -648,15 +681,21 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         train_sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
         t0 = time.perf_counter()
-        train_loss = train_one_epoch(
-            model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
-            grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
-            print_freq=args.print_freq, channels_last=channels_last,
-            log_fn=_step_logger(writer))
+        try:
+            train_loss = train_one_epoch(
+                model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
+                grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
+                print_freq=args.print_freq, channels_last=channels_last,
+                log_fn=_step_logger(writer))
+        except FloatingPointError as exc:  # raised on every rank: the loss is reduced first
+            raise RunError(f"{exc} {_START_OVER}") from None
         train_seconds = time.perf_counter() - t0
         lr_used = optimizer.param_groups[0]["lr"]
         scheduler.step()
         result = evaluate(model, val_loader, device, amp_dtype=amp_dtype, channels_last=channels_last)
+        if result.num_samples and not math.isfinite(result.loss):  # the same on every rank
+            raise RunError(f"validation loss {result.loss} after epoch {epoch}: the weights "
+                           f"diverged, so this epoch is not saved; lower --lr. {_START_OVER}")
         epoch_seconds = time.perf_counter() - t0
         val_acc = result.top1
         images = len(train_loader) * args.batch_size * info.world_size
@@ -668,6 +707,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         is_best = val_acc > best_acc
         best_acc = max(best_acc, val_acc)
         rng_states = all_gather_object(capture_rng_state())
+        state = None
         if info.is_main:
             state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                      "lr_scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc,
@@ -675,14 +715,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                      "classes": classes, "metrics": history, "rng_states": rng_states}
             if scaler.is_enabled():
                 state["scaler"] = scaler.state_dict()
-            with _signals_held():
-                save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
-                prune_weights(out / "weights", args.keep_last)
-                if is_best:
-                    save_atomic(state, out / "model_best.pth")
-                save_atomic(state, out / "checkpoint.pth")  # last: it marks the epoch as done
-                with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-                    f.write(json.dumps(record) + "\n")
+        with _signals_held():  # on every rank: a stop now waits until the epoch is on disk
+            _check_on_rank0(_save_epoch, out, state, record, is_best, args.keep_last, info=info)
+        if info.is_main:
             log.info("[epoch %d] train loss %.4f  val acc %.4f%s  val loss %.4f  lr %.2e  %.1fs  "
                      "%.0f img/s", epoch, train_loss, val_acc,
                      f"  top5 {result.top5:.4f}" if result.top5 is not None else "", result.loss,
@@ -699,6 +734,37 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 writer.flush()
     if writer:
         writer.close()
+
+
+_START_OVER = ("A resumed run keeps the checkpoint's learning rate: start over with --resume none "
+               "or another --output-dir.")
+
+
+def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_best: bool,
+                keep_last: int) -> None:
+    """Rank 0: the epoch's weights, best model, checkpoint and metrics line, all or nothing."""
+    epoch = state["epoch"]
+    written: list[Path] = []
+    try:
+        written.append(out / "weights" / f"model-{epoch}.pth")
+        save_atomic(state["model"], written[-1])
+        prune_weights(out / "weights", keep_last)
+        if is_best:
+            written.append(out / "model_best.pth")
+            save_atomic(state, written[-1])
+        save_atomic(state, out / "checkpoint.pth")  # last: it marks the epoch as done
+        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as exc:  # disk full, quota, file-size limit, storage gone
+        done = "the start"
+        if (out / "checkpoint.pth").is_file():
+            done = "the last complete checkpoint"
+        else:  # no epoch is done: what this one wrote would pass for an earlier run on the rerun
+            for path in written:
+                path.unlink(missing_ok=True)
+        raise RunError(f"could not save epoch {epoch} in {out}: {exc.strerror or exc}; free space "
+                       f"or fix the folder, then run the same command again: it continues from "
+                       f"{done}.") from None
 
 
 def _rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,

@@ -442,6 +442,14 @@ def _write_mode(kind: str, path_base: Path) -> tuple[Path, np.ndarray, float]:
         Image.fromarray(values).save(path)
         assert Image.open(path).mode.startswith("I;16")
         return path, np.repeat((values >> 8).astype(np.uint8)[..., None], 3, axis=2), 1
+    if kind == "animated-gif":  # decode_image gives (frames, 3, H, W); we train on frame 0
+        path = path_base.with_suffix(".gif")
+        frames = [np.zeros((16, 32, 3), np.uint8) for _ in range(3)]
+        frames[0][:, :16], frames[1][:] = (255, 0, 0), (0, 0, 255)
+        Image.fromarray(frames[0]).save(path, save_all=True, duration=100, loop=0,
+                                        append_images=[Image.fromarray(f) for f in frames[1:]])
+        assert Image.open(path).n_frames == 3
+        return path, frames[0], 0
     orientation = int(kind.removeprefix("exif"))
     path = _exif_jpeg(path_base.with_suffix(".jpg"), orientation)
     with Image.open(path) as img:
@@ -451,7 +459,8 @@ def _write_mode(kind: str, path_base: Path) -> tuple[Path, np.ndarray, float]:
     return path, expected, 3
 
 
-@pytest.mark.parametrize("kind", ["L", "P", "RGBA", "CMYK", "I;16", "exif6", "exif8"])
+@pytest.mark.parametrize("kind", ["L", "P", "RGBA", "CMYK", "I;16", "exif6", "exif8",
+                                  "animated-gif"])
 def test_awkward_modes_decode_to_uint8_rgb(tmp_path, kind):
     path, expected, tol = _write_mode(kind, tmp_path / "img")
     tensor = load_image_tensor(str(path))

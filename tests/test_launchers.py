@@ -92,6 +92,21 @@ def test_sync_bn_flag_rejects_nonsense(capsys):
     assert "true/false" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch_size: must be a whole number of at least 1, not 0"),
+    (["--lr", "nan"], "--lr: must be greater than 0, not nan"),
+    (["--workers", "-1"], "--workers: must be a whole number of at least 0, not -1"),
+    (["--val-rate", "1"], "--val-rate: must be at least 0 and below 1, not 1"),
+    (["--val-rate", "-0.1"], "--val-rate: must be at least 0 and below 1, not -0.1"),
+    (["--val-rate", "a"], "--val-rate: invalid float value: 'a'"),
+])
+def test_bad_numbers_are_usage_errors_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        get_args_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag, sync_layers", [("--syncBN", 20), ("--no-syncBN", 0)])
 def test_sync_bn_really_switches(flag, sync_layers):
     args = get_args_parser().parse_args(["--model", "resnet18", flag])

@@ -11,6 +11,7 @@ runs are compared with it tensor for tensor.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -278,6 +279,23 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
 
 
+def test_damaged_bytes_and_foreign_files_are_clear_errors(tmp_path):
+    """torch.load does not check the zip CRCs: damaged bytes would load as wrong weights."""
+    path = tmp_path / "checkpoint.pth"
+    save_atomic({"epoch": 0, "w": torch.arange(100_000.0)}, path)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 1000] = bytes(1000)
+    path.write_bytes(data)
+    torch.load(path, weights_only=True)  # what torch alone does: no error
+    with pytest.raises(CheckpointError, match=r"is corrupt \(.* fails its CRC check\)"):
+        load_file(path)
+    path.write_bytes(os.urandom(4000))
+    with pytest.raises(CheckpointError, match="not a complete zip archive") as info:
+        load_file(path)
+    assert "weights_only" not in str(info.value)  # torch's hint to load unsafely: not for this
+
+
 def test_truncated_checkpoint_is_a_clear_error(tmp_path):
     path = tmp_path / "checkpoint.pth"
     torch.save({"epoch": 0, "w": torch.zeros(1000)}, path)
@@ -529,6 +547,116 @@ def test_second_ctrl_c_does_not_wait_for_the_save(train_here):
     assert done == ["saved", "quiet"]
 
 
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_full_disk_during_save_is_one_line_and_the_rerun_continues(epoch, tmp_path, tiny_data,
+                                                                  train_here, monkeypatch):
+    """ENOSPC while epoch ``epoch``'s checkpoint is written (through torch's zip writer, which
+    would report "unexpected pos"): one error line, the earlier checkpoint intact, nothing that
+    would block the rerun, and the same command then finishes the run."""
+    out = tmp_path / "out"
+    real_save = torch.save
+
+    class FullDisk:
+        def __init__(self, f) -> None:
+            self.f, self.left = f, 20_000
+
+        def write(self, data) -> int:
+            if self.left < len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.left -= len(data)
+            return self.f.write(data)
+
+        def flush(self) -> None:
+            self.f.flush()
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("epoch") == epoch and "optimizer" in obj:
+            f = FullDisk(f)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    done = "the last complete checkpoint" if epoch else "the start"
+    assert len(errors) == 1 and f"could not save epoch {epoch} in {out}: No space left on " \
+        f"device; free space or fix the folder, then run the same command again: it continues " \
+        f"from {done}." in errors[0], err[-3000:]
+    assert "Traceback" not in err and "unexpected pos" not in err
+    assert not list(out.rglob(".*.tmp"))
+    if epoch:
+        assert load_file(out / "checkpoint.pth")["epoch"] == 0
+    else:
+        assert sorted(p.name for p in out.rglob("*.pth")) == []
+
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    assert code == 0, err[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
+
+
+@pytest.mark.parametrize("where", ["train-loss", "val-loss"])
+def test_diverged_run_is_one_line_and_no_diverged_epoch_is_saved(where, tmp_path, tiny_data,
+                                                                 train_here, monkeypatch):
+    import train_common
+
+    out, extra = tmp_path / "out", []
+    if where == "train-loss":
+        extra = ["--lr", "1e12"]
+        expect = "non-finite training loss (nan) at epoch 0"
+    else:  # weights that went non-finite in the last step: only validation can tell
+        real_evaluate = train_common.evaluate
+
+        def evaluate(*args, **kwargs):
+            result = real_evaluate(*args, **kwargs)
+            result.loss = float("nan")
+            return result
+
+        monkeypatch.setattr(train_common, "evaluate", evaluate)
+        expect = "validation loss nan after epoch 0: the weights diverged, so this epoch is " \
+                 "not saved; lower --lr."
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2", *extra))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and expect in errors[0], err[-3000:]
+    assert "start over with --resume none or another --output-dir" in errors[0]
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.rglob("*.pth")) == [] and read_metrics(out) == []
+
+
+def test_resume_warns_that_the_optimizer_keeps_its_lr(run_a, tmp_path, tiny_data, train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    saved = load_ckpt(out / "checkpoint.pth")["args"]
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1), "--lr", "0.5",
+                                 "--momentum", str(saved["momentum"])))
+    assert code == 0, err[-3000:]
+    assert (f"resuming keeps the optimizer of {out / 'checkpoint.pth'}: --lr {saved['lr']} "
+            "(not 0.5); to train with the new value(s), start over with --resume none") in err
+    assert "--momentum" not in err.split("resuming keeps")[1].splitlines()[0]
+
+
+def test_corrupt_checkpoint_names_the_files_to_continue_from(run_a, tmp_path, tiny_data,
+                                                              train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    data = bytearray((out / "checkpoint.pth").read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = bytes(4096)
+    (out / "checkpoint.pth").write_bytes(data)
+    argv = flags(tiny_data, out, "--epochs", str(EPOCHS + 1))
+    code, err = train_here(argv)
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "fails its CRC check" in errors[0], err[-3000:]
+    newest = out / "weights" / f"model-{EPOCHS - 1}.pth"
+    assert (f"Continue with --resume {out / 'model_best.pth'}, or --resume none --weights "
+            f"{newest} (weights only; the schedule starts over), or --resume none to start "
+            "over.") in errors[0]
+    code, err = train_here([*argv, "--resume", str(out / "model_best.pth")])  # as suggested
+    assert code == 0, err[-3000:]
+    assert load_file(out / "checkpoint.pth")["epoch"] == EPOCHS
+
+
 # ---------------------------------------------------------------- 5. elastic restart
 def _local_rank(pid: int) -> str | None:
     try:
@@ -717,7 +845,7 @@ def test_second_run_on_a_busy_output_dir_is_refused(tmp_path, tiny_data, train_h
 
 
 @pytest.mark.parametrize("case", ["under-a-file", "missing-resume", "resume-folder",
-                                  "eval-only-unfit-weights"])
+                                  "eval-only-unfit-weights", "weights-is-a-file"])
 def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, train_here):
     out, extra = tmp_path / "out", []
     if case == "under-a-file":
@@ -728,6 +856,10 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
     elif case == "resume-folder":
         extra = ["--resume", str(run_a)]
         expect = f"is a folder; give a file, e.g. {run_a / 'checkpoint.pth'}"
+    elif case == "weights-is-a-file":  # found before an epoch is trained, not when saving it
+        out.mkdir()
+        (out / "weights").write_text("x")
+        expect = f"{out / 'weights'} is not a folder"
     else:  # resnet18 weights evaluated as resnet34 would print a meaningless accuracy
         extra = ["--eval-only", "--weights", str(run_a / "weights" / "model-0.pth"), "--model",
                  "resnet34"]
