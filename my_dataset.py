@@ -64,6 +64,16 @@ def load_image_tensor(path: str) -> torch.Tensor:
         return TF.pil_to_tensor(load_pil_image(path))
 
 
+def _lock(f: Any) -> None:
+    """Hold an exclusive ``flock`` on ``f`` until it is closed (no-op where there is none)."""
+    try:
+        import fcntl
+
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    except (ImportError, OSError):  # Windows, some network file systems: lines may repeat
+        pass
+
+
 def check_image(path: str) -> str | None:
     """Why ``path`` is not a usable image (one short phrase), or None if it looks fine.
 
@@ -167,13 +177,18 @@ class MyDataSet(Dataset):
             log.warning("skipping unreadable image %s (%s: %s)", printable_path(path),
                         type(exc).__name__, detail)
         if self.skip_log is not None:
-            line = (f"{printable_path(path)}\tnot a readable image at load time "
-                    f"({type(exc).__name__}: {detail})\n")
-            # One unbuffered write in append mode: lines from concurrent workers and ranks
-            # land whole (O_APPEND moves each write to the end of the file atomically).
+            name = printable_path(path).encode("utf-8", "backslashreplace") + b"\t"
+            line = name + (f"not a readable image at load time ({type(exc).__name__}: "
+                           f"{detail})\n").encode("utf-8", "backslashreplace")
+            # Every rank (and worker) has its own "reported" marks, and the shuffle hands a file
+            # to other ranks in later epochs: the file itself, locked, says who was first. One
+            # unbuffered write in append mode lands whole even where flock is missing.
             try:
-                with open(self.skip_log, "ab", buffering=0) as f:
-                    f.write(line.encode("utf-8", "backslashreplace"))
+                with open(self.skip_log, "a+b", buffering=0) as f:
+                    _lock(f)
+                    f.seek(0)
+                    if not any(known.startswith(name) for known in f.read().splitlines()):
+                        f.write(line)
             except OSError as err:  # a full disk must not kill the worker; say so instead
                 log.warning("could not record %s in %s (%s)", path, self.skip_log, err)
 

@@ -14,8 +14,9 @@ one folder above it (the layout training writes); bare weights find the run's ``
 same way, and ``--model``/``--img-size`` given on the command line always win. Each image prints
 one line on stdout, tab-separated: the path, then the top-k ``class: probability`` pairs. An
 image that cannot be read (or a dangling symlink) is reported on stderr and the rest are still
-predicted; the exit code is then 1. Mistakes in the arguments (missing files, a class list that
-does not fit the checkpoint) exit with code 2.
+predicted; the exit code is then 1 (so is a missing image path: one typo does not stop the rest).
+Mistakes in the other arguments (a missing weights or class-indices file, a class list that does
+not fit the checkpoint) exit with code 2.
 
 From Python::
 

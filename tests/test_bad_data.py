@@ -386,6 +386,10 @@ def test_unreadable_at_load_time_goes_to_skip_log_once(tmp_path, persistent):
                         collate_fn=MyDataSet.collate_fn)
     for _ in range(3):  # each bad sample meets a different worker over the epochs
         assert torch.cat([y for _, y in loader]).tolist() == [0, IGNORE_INDEX, IGNORE_INDEX]
+    # Another rank (its own dataset and marks) meets the same files after the shuffle.
+    other_rank = MyDataSet([str(odd), str(broken)], [1, 1], decoder="tensor",
+                           report_errors=False, skip_log=log_file)
+    assert [other_rank[i][1] for i in (0, 1)] == [IGNORE_INDEX, IGNORE_INDEX]
     lines = log_file.read_text(encoding="utf-8").splitlines()
     assert lines[0] == "from/the/scan.jpg\tempty file"  # appended, not overwritten
     assert sorted(line.split("\t")[0] for line in lines[1:]) == [
