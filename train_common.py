@@ -425,6 +425,11 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
     """
     if args.resume in (None, "", "none"):
         return None
+    if args.eval_only and args.weights:
+        if args.resume != "auto":
+            raise ConfigError(f"--eval-only got both --resume {args.resume} and --weights "
+                              f"{args.weights}; give one of them.")
+        return None  # score the file asked for, not an earlier run's checkpoint.pth
     path, error = args.resume, None
     if args.resume == "auto":
         path = str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
@@ -475,6 +480,12 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str]) ->
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
                               f"has {len(classes)}; resume with the data it was trained on, or "
                               "use another --output-dir.")
+    frozen = saved.get("freeze_layers", args.freeze_layers)
+    if frozen != args.freeze_layers and not args.eval_only:
+        # The optimizer state holds one entry per trainable tensor: it cannot be carried over.
+        raise CheckpointError(f"{path} was trained with --{'' if frozen else 'no-'}freeze-layers; "
+                              "resume with the same flag, or keep its weights and start a new "
+                              f"schedule with --resume none --weights {path}.")
     # optimizer.load_state_dict restores these from the checkpoint, whatever the flags say.
     kept = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
             for k in ("lr", "momentum", "weight_decay")
@@ -640,7 +651,14 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         raise ConfigError("--eval-only needs a model: give --resume CHECKPOINT or --weights FILE.")
     if ckpt is not None:
         if not args.eval_only:
-            optimizer.load_state_dict(ckpt["optimizer"])
+            try:
+                optimizer.load_state_dict(ckpt["optimizer"])
+            except (ValueError, KeyError) as exc:  # other trainable parameters, e.g. frozen now
+                raise CheckpointError(
+                    f"the optimizer state in {resume_path} does not fit this run's trainable "
+                    f"parameters ({exc}); resume with the flags it was trained with, or keep its "
+                    f"weights and start a new schedule with --resume none --weights "
+                    f"{resume_path}.") from None
             scheduler.load_state_dict(ckpt["lr_scheduler"])
             if "scaler" in ckpt and scaler.is_enabled():
                 scaler.load_state_dict(ckpt["scaler"])

@@ -105,7 +105,10 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             # Sum over valid samples / their count == mean, but stays finite for a batch whose
             # every image was unreadable.
             loss = loss_function(output.float(), labels) / n_valid.clamp(min=1)
-            scaled = loss / grad_accum_steps
+            # Mean over the micro-batches of this optimizer step; the last group of an epoch
+            # whose length K does not divide is shorter, and a fixed / K would shrink its step.
+            group_start = step - step % grad_accum_steps
+            scaled = loss / min(grad_accum_steps, steps - group_start)
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         loss_sum += loss.detach().double() * n_valid
         count += n_valid

@@ -330,6 +330,48 @@ def test_ddp_step_equals_single_process_step_on_the_union(bn, tmp_path):
     assert not torch.allclose(ref[0].weight, initial["0.weight"])  # the step moved something
 
 
+ACCUM_STEPS, ACCUM_K = 7, 3  # optimizer steps after micro-batches 3, 6 and 7: groups 3, 3, 1
+
+
+def _grad_accum_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
+                       labels: torch.Tensor) -> dict:
+    dataset = TensorDataset(images, labels)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=PER_RANK, sampler=sampler)
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    train_one_epoch(ddp, optimizer, loader, CPU, 0, grad_accum_steps=ACCUM_K)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_grad_accumulation_steps_on_the_mean_gradient_of_each_group(tmp_path):
+    """K=3 over 7 micro-batches: each step uses the mean gradient of its group, including the
+    last, shorter group of one (divided by 1, not by K)."""
+    model = tiny_net(5, bn=False, dtype=torch.float64, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    n = 2 * PER_RANK * ACCUM_STEPS
+    images = torch.randn(n, 3, 6, 6, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 5, (n,), generator=gen)
+    per_rank = run_ranks(_grad_accum_worker, 2, tmp_path, copy.deepcopy(model), images, labels)
+
+    # DistributedSampler(shuffle=False) deals round-robin; micro-batch s of rank r holds
+    # indices r::2 [s*B:(s+1)*B]. One process, one step per group on the group's union.
+    ref = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.5)
+    share = [list(range(n))[r::2] for r in range(2)]
+    for start in range(0, ACCUM_STEPS, ACCUM_K):
+        group = range(start, min(start + ACCUM_K, ACCUM_STEPS))
+        idx = [i for s in group for r in range(2) for i in share[r][s * PER_RANK:(s + 1) * PER_RANK]]
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(ref(images[idx]), labels[idx]).backward()
+        optimizer.step()
+
+    for rank, state in enumerate(per_rank):
+        for key, want in ref.state_dict().items():
+            torch.testing.assert_close(state[key], want, rtol=1e-7, atol=1e-9,
+                                       msg=f"rank {rank}: {key}")
+
+
 def _comm_hook_worker(rank: int, world: int, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                       hook: str) -> list[torch.Tensor]:
     ddp = DDP(copy.deepcopy(model))

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -636,6 +637,39 @@ def test_resume_warns_that_the_optimizer_keeps_its_lr(run_a, tmp_path, tiny_data
     assert "--momentum" not in err.split("resuming keeps")[1].splitlines()[0]
 
 
+def test_resume_with_other_freeze_layers_is_one_error_line(run_a, tmp_path, tiny_data,
+                                                          train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1), "--freeze-layers"))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert (f"{out / 'checkpoint.pth'} was trained with --no-freeze-layers; resume with the same "
+            f"flag, or keep its weights and start a new schedule with --resume none --weights "
+            f"{out / 'checkpoint.pth'}.") in errors[0]
+    # As suggested: the fc-only run starts from the checkpoint's weights.
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1", "--freeze-layers",
+                                 "--resume", "none", "--weights", str(run_a / "checkpoint.pth")))
+    assert code == 0, err[-3000:]
+    trained = load_ckpt(run_a / "checkpoint.pth")["model"]
+    now = load_ckpt(out / "checkpoint.pth")["model"]
+    assert torch.equal(now["conv1.weight"], trained["conv1.weight"])  # frozen, from the file
+    assert not torch.equal(now["fc.weight"], trained["fc.weight"])  # trained on
+
+
+def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(run_a, tmp_path, tiny_data,
+                                                                   train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)  # checkpoint.pth holds epoch 2; --weights asks for epoch 0
+    weights = out / "weights" / "model-0.pth"
+    code, err = train_here(flags(tiny_data, out, "--eval-only", "--weights", str(weights)))
+    assert code == 0, err[-3000:]
+    assert "resumed from" not in err and f"loaded {weights}; skipped 0 tensor(s)" in err
+    top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", err).group(1))
+    assert top1 == pytest.approx(read_metrics(out)[0]["val_acc"], abs=1e-4)
+
+
 def test_corrupt_checkpoint_names_the_files_to_continue_from(run_a, tmp_path, tiny_data,
                                                               train_here):
     out = tmp_path / "out"
@@ -845,7 +879,8 @@ def test_second_run_on_a_busy_output_dir_is_refused(tmp_path, tiny_data, train_h
 
 
 @pytest.mark.parametrize("case", ["under-a-file", "missing-resume", "resume-folder",
-                                  "eval-only-unfit-weights", "weights-is-a-file"])
+                                  "eval-only-unfit-weights", "weights-is-a-file",
+                                  "eval-only-resume-and-weights"])
 def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, train_here):
     out, extra = tmp_path / "out", []
     if case == "under-a-file":
@@ -860,6 +895,10 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
         out.mkdir()
         (out / "weights").write_text("x")
         expect = f"{out / 'weights'} is not a folder"
+    elif case == "eval-only-resume-and-weights":  # which one to score would be a guess
+        extra = ["--eval-only", "--resume", str(run_a / "checkpoint.pth"), "--weights",
+                 str(run_a / "weights" / "model-0.pth")]
+        expect = "--eval-only got both --resume"
     else:  # resnet18 weights evaluated as resnet34 would print a meaningless accuracy
         extra = ["--eval-only", "--weights", str(run_a / "weights" / "model-0.pth"), "--model",
                  "resnet34"]
