@@ -76,17 +76,23 @@ class BoolFlag(argparse.BooleanOptionalAction):
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except ``None`` ones (their help text says what happens instead)."""
 
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, BoolFlag):  # "--x [BOOL], --no-x": the negative takes no value
+            return ", ".join(o if o.startswith("--no-") else f"{o} [BOOL]"
+                             for o in action.option_strings)
+        return super()._format_action_invocation(action)
+
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None:
             return action.help or ""
         return super()._get_help_string(action)
 
 
-def _number(kind: type, minimum: float, what: str):
-    """An argparse ``type`` that rejects values below ``minimum`` with a one-line usage error."""
+def _number(kind: type, minimum: float, what: str, below: float = math.inf):
+    """An argparse ``type`` for ``minimum <= value < below``; else a one-line usage error."""
     def parse(text: str):
         value = kind(text)
-        if not (value >= minimum and math.isfinite(value)):
+        if not (minimum <= value < below and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" errors
@@ -97,17 +103,7 @@ POSITIVE_INT = _number(int, 1, "a whole number of at least 1")
 COUNT = _number(int, 0, "a whole number of at least 0")
 POSITIVE = _number(float, math.ulp(0.0), "greater than 0")
 NON_NEGATIVE = _number(float, 0.0, "at least 0")
-
-
-def _fraction(text: str) -> float:
-    """``--val-rate``: in [0, 1), checked before the data is scanned."""
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
-    return value
-
-
-_fraction.__name__ = "float"  # argparse names the type in "invalid float value" errors
+FRACTION = _number(float, 0.0, "at least 0 and below 1", below=1.0)
 
 
 def default_workers(batch_size: int) -> int:
@@ -128,7 +124,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     data.add_argument("--demo-dir", default=None,
                       help="where the demo dataset is generated and cached "
                            "(default: $DDP_DEMO_DATA or ~/.cache/ddp-template/demo_flowers_v1)")
-    data.add_argument("--val-rate", type=_fraction, default=0.2, help="fraction of each class held out")
+    data.add_argument("--val-rate", type=FRACTION, default=0.2, help="fraction of each class held out")
     data.add_argument("--img-size", type=POSITIVE_INT, default=224, help="training/validation crop size")
     data.add_argument("--num-classes", "--num_classes", type=POSITIVE_INT, default=None,
                       help="number of classes (default: the number of class folders)")
@@ -248,6 +244,25 @@ def _signals_held() -> Iterator[None]:
         raise KeyboardInterrupt(signal.Signals(held[0]).name)
 
 
+@contextlib.contextmanager
+def _signals_default() -> Iterator[None]:
+    """SIGINT/SIGTERM end the process at once inside the block, then handlers are restored.
+
+    The rendezvous waits inside C++ (TCPStore, gloo), where a Python handler runs only when the
+    call returns: a rank whose peers never come would ignore Ctrl-C and kill for up to
+    --dist-timeout. Nothing is written before the group exists, so dying there loses nothing.
+    """
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum, handler in saved.items():
+        if handler is not signal.SIG_IGN:  # ignored stays ignored (nohup &)
+            signal.signal(signum, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 def _expect_worker_deaths() -> None:
     # DataLoader workers stop with us (torchrun signals the whole process group; multiprocessing
     # terminates daemon children at exit). Their SIGCHLD would otherwise raise "DataLoader worker
@@ -291,8 +306,9 @@ def train(args: argparse.Namespace) -> None:
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
     info = None
     try:
-        info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
-                                     timeout_s=args.dist_timeout)
+        with _signals_default():
+            info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
+                                         timeout_s=args.dist_timeout)
         setup_logging(info.rank)
         _run(args, info)
     except USER_ERRORS as exc:
@@ -448,7 +464,10 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
     return path
 
 
-def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str]) -> dict[str, Any]:
+def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
+                     warn: bool = True) -> dict[str, Any]:
+    """The checkpoint at ``path``, checked against this run; ``warn``: say what differs (rank 0
+    only, since every rank finds the same)."""
     try:
         ckpt = load_file(path)
     except CheckpointError as exc:
@@ -490,11 +509,11 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str]) ->
     kept = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
             for k in ("lr", "momentum", "weight_decay")
             if k in saved and saved[k] != getattr(args, k)]
-    if kept and not args.eval_only:
+    if kept and warn and not args.eval_only:
         log.warning("resuming keeps the optimizer of %s: %s; to train with the new value(s), "
                     "start over with --resume none or another --output-dir.", path,
                     ", ".join(kept))
-    if saved.get("img_size", args.img_size) != args.img_size:
+    if saved.get("img_size", args.img_size) != args.img_size and warn:
         log.warning("%s was trained at --img-size %s; this run uses %d%s.", path,
                     saved["img_size"], args.img_size,
                     " (pass --img-size to evaluate as trained)" if args.eval_only else "")
@@ -594,6 +613,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     out = Path(args.output_dir)
     if not args.eval_only:  # evaluation writes nothing
         _check_on_rank0(_claim_output_dir, args, out, info=info)
+        if args.tensorboard:  # found now, not as a traceback after the data scan
+            _check_on_rank0(_require_tensorboard, info=info)
     _seed_everything(args.seed, info.rank)
     device = info.device
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -608,7 +629,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
 
     model = _build_model(args, info, num_classes)
     resume_path = _resolve_resume(args, out)
-    ckpt = _load_checkpoint(resume_path, args, classes) if resume_path else None
+    ckpt = _load_checkpoint(resume_path, args, classes, warn=info.is_main) if resume_path else None
     if ckpt is not None:
         state, own = extract_state_dict(ckpt, resume_path), model.state_dict()
         # Checkpoints without recorded args (or from edited code) are checked by shape.
@@ -633,6 +654,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         if args.comm_hook != "none":
             log.info("DDP all-reduces gradients in %s (--comm-hook %s)", args.comm_hook,
                      args.comm_hook)
+    elif args.comm_hook != "none":
+        log.warning("--comm-hook %s does nothing in a single process: there is no all-reduce.",
+                    args.comm_hook)
     if args.compile:
         model = torch.compile(model)
 
@@ -669,12 +693,14 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             if trained_by != info.world_size:
                 _rescale_lr(optimizer, scheduler, info.world_size / trained_by if args.scale_lr
                             else 1.0)
-                log.warning("%s was trained by %d process(es), this run has %d: the global batch "
-                            "changes from %d to %d, %s; data order and augmentation differ from "
-                            "an uninterrupted run.", resume_path, trained_by, info.world_size,
-                            trained_by * args.batch_size, info.world_size * args.batch_size,
-                            "the learning rate is rescaled to match (--scale-lr)"
-                            if args.scale_lr else "the learning rate is kept (--no-scale-lr)")
+                if info.is_main:  # the same on every rank: said once
+                    log.warning("%s was trained by %d process(es), this run has %d: the global "
+                                "batch changes from %d to %d, %s; data order and augmentation "
+                                "differ from an uninterrupted run.", resume_path, trained_by,
+                                info.world_size, trained_by * args.batch_size,
+                                info.world_size * args.batch_size,
+                                "the learning rate is rescaled to match (--scale-lr)"
+                                if args.scale_lr else "the learning rate is kept (--no-scale-lr)")
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
         log.info("resumed from %s: epoch %d done, best val acc %.4f", resume_path, ckpt["epoch"],
@@ -718,7 +744,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         val_acc = result.top1
         images = len(train_loader) * args.batch_size * info.world_size
         record = {"epoch": epoch, "train_loss": round(train_loss, 6), "val_acc": round(val_acc, 6),
-                  "val_loss": round(result.loss, 6), "val_top5": result.top5, "lr": lr_used,
+                  "val_loss": round(result.loss, 6), "val_top5": result.top5,
+                  "lr": float(f"{lr_used:.6g}"),
                   "epoch_seconds": round(epoch_seconds, 3),
                   "train_images_per_sec": round(images / train_seconds, 2)}
         history.append(record)
@@ -811,6 +838,14 @@ def _write_metrics(path: Path, history: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _require_tensorboard() -> None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--tensorboard needs the tensorboard package ({exc}); pip install "
+                          "tensorboard, or pass --no-tensorboard.") from None
 
 
 def _tensorboard(args, info: DistInfo, out: Path, start_epoch: int, train_set, classes):

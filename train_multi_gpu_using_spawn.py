@@ -15,7 +15,9 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
+from typing import NoReturn
 
 import torch
 import torch.multiprocessing as mp
@@ -39,32 +41,69 @@ def _worker(local_rank: int, args: argparse.Namespace, nprocs: int, addr: str, p
     train(args)
 
 
+def _fail(message: str) -> NoReturn:
+    """A usage error found before any process starts: one line, exit code 2."""
+    log.error("error: %s", message)
+    sys.exit(2)
+
+
 def _processes_per_node(args: argparse.Namespace) -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        _fail("--device cuda was asked for, but CUDA is not available here; use --device cpu "
+              "(or auto).")
     gpus = torch.cuda.device_count() if use_cuda else 0
     nprocs = args.world_size or gpus or 2
     if use_cuda and nprocs > gpus:
-        sys.exit(f"error: --world-size {nprocs} but only {gpus} GPU(s) are visible "
-                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                 "lower --world-size or use --device cpu.")
+        _fail(f"--world-size {nprocs} but only {gpus} GPU(s) are visible "
+              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+              "lower --world-size or use --device cpu.")
     return nprocs
+
+
+def _rendezvous(args: argparse.Namespace) -> tuple[str, int]:
+    """(address, port) of rank 0's store: --dist-url, else MASTER_ADDR/PORT, else a free port."""
+    if args.dist_url != "env://":
+        try:
+            return parse_dist_url(args.dist_url)
+        except ValueError as exc:
+            _fail(str(exc))
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" in os.environ:
+        try:
+            return addr, int(os.environ["MASTER_PORT"])
+        except ValueError:
+            _fail(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number; unset it to "
+                  "use a free one.")
+    if args.nnodes > 1:
+        _fail("with --nnodes > 1 every node needs the same address: pass --dist-url "
+              "tcp://HOST:PORT (HOST = node 0).")
+    return addr, find_free_port(addr)
+
+
+def _check_port_free(port: int) -> None:
+    """Node 0 hosts the store on ``port``: a busy one would fail only after every child started
+    (tens of seconds, a traceback per rank), so it is checked here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's own socket
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            _fail(f"port {port} is not free on this machine ({exc.strerror}), e.g. another run "
+                  "uses it; pass another --dist-url tcp://HOST:PORT, or give no port (no "
+                  "--dist-url, MASTER_PORT unset) to use a free one.")
 
 
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.node_rank >= args.nnodes:
+        _fail(f"--node-rank {args.node_rank} but --nnodes {args.nnodes}: node ranks run from 0 "
+              f"to {args.nnodes - 1}.")
     nprocs = _processes_per_node(args)
-    if args.dist_url != "env://":
-        addr, port = parse_dist_url(args.dist_url)
-        args.dist_url = "env://"  # the children read MASTER_ADDR/PORT like torchrun's
-    else:
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" in os.environ:
-            port = int(os.environ["MASTER_PORT"])
-        elif args.nnodes > 1:
-            sys.exit("error: with --nnodes > 1 every node needs the same address: "
-                     "pass --dist-url tcp://HOST:PORT (HOST = node 0).")
-        else:
-            port = find_free_port(addr)
+    addr, port = _rendezvous(args)
+    args.dist_url = "env://"  # the children read MASTER_ADDR/PORT like torchrun's
+    if args.node_rank == 0:
+        _check_port_free(port)
     log.info("starting %d process(es) on node %d/%d, rendezvous at %s:%d", nprocs,
              args.node_rank, args.nnodes, addr, port)
 

@@ -74,19 +74,54 @@ def _slurm_master_addr() -> str:
     return match.group(1) + match.group(2) if match else first
 
 
+def _env_int(name: str, default: int | None = None) -> int:
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        return int(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise LaunchError(f"environment variable {name}={text!r} is not a whole number; unset it "
+                          "or start the processes with torchrun.") from None
+
+
 def _read_env() -> tuple[int, int, int] | None:
     """(rank, local_rank, world_size) from the launcher's environment, or None if not launched."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)),
-                int(os.environ["WORLD_SIZE"]))
-    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+        env = _env_int("RANK"), _env_int("LOCAL_RANK", 0), _env_int("WORLD_SIZE")
+        names = "RANK", "WORLD_SIZE"
+    elif "SLURM_PROCID" in os.environ and _env_int("SLURM_NTASKS", 1) > 1:
+        env = _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID", 0), _env_int("SLURM_NTASKS")
+        names = "SLURM_PROCID", "SLURM_NTASKS"
         # Export what env:// rendezvous reads; the port is derived from the job id so every task
         # of one job agrees without talking, and two jobs on one node rarely collide.
         os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
-        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
-        return (int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", 0)),
-                int(os.environ["SLURM_NTASKS"]))
-    return None
+        os.environ.setdefault("MASTER_PORT", str(20000 + _env_int("SLURM_JOB_ID", 0) % 20000))
+    else:
+        return None
+    rank, _, world_size = env
+    if not 0 <= rank < world_size:
+        raise LaunchError(f"{names[0]}={rank} is not a rank of {names[1]}={world_size} (0 to "
+                          f"{world_size - 1}); start the processes with torchrun, or fix the "
+                          "variables.")
+    return env
+
+
+def _check_rendezvous(dist_url: str) -> None:
+    """Fail with one sentence where init_process_group would raise a traceback or hang."""
+    if dist_url != "env://":
+        try:
+            parse_dist_url(dist_url)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise LaunchError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not; start the processes with "
+                          "torchrun, export the address of rank 0, or pass --dist-url "
+                          "tcp://HOST:PORT.")
+    _env_int("MASTER_PORT")
 
 
 def _pick_device(requested: str, local_rank: int) -> torch.device:
@@ -148,6 +183,7 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     if world_size == 1:
         return DistInfo(rank=rank, local_rank=local_rank, device=dev)
 
+    _check_rendezvous(dist_url)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _elastic_store(timeout) if dist_url == "env://" else None
@@ -281,8 +317,9 @@ def parse_dist_url(url: str) -> tuple[str, int] | None:
     if url == "env://":
         return None
     match = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)", url)
-    if not match:
-        raise ValueError(f"--dist-url {url!r} is not 'env://' or 'tcp://HOST:PORT'.")
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"--dist-url {url!r} is not 'env://' or 'tcp://HOST:PORT' (PORT 1 to "
+                         "65535).")
     return match.group(1), int(match.group(2))
 
 

@@ -175,7 +175,8 @@ def test_eval_only_reports_accuracy_without_training(tb_run, tiny_data, tmp_path
 # ---------------------------------------------------------------- --help
 HELP_EXPECT = {
     "train_multi_gpu_using_launch": ["data:", "model:", "optimisation:", "distributed:", "run:",
-                                     "(default: 30)", "(default: resnet34)", "(default: env://)"],
+                                     "(default: 30)", "(default: resnet34)", "(default: env://)",
+                                     "--sync-bn [BOOL], --no-sync-bn, --syncBN [BOOL], --no-syncBN"],
     "train_multi_gpu_using_spawn": ["distributed:", "--world-size", "--nnodes", "--node-rank",
                                     "(default: 30)", "(default: 1)"],
     "predict": ["model:", "inference:", "--weights", "(default: 5)"],
@@ -198,6 +199,7 @@ def test_help_shows_groups_and_defaults(script, capsys, monkeypatch):
         assert expected in text, f"{script}.py --help lacks {expected!r}"
     if script == "train_multi_gpu_using_launch":  # torchrun, not a flag, sets the process count
         assert "--world-size" not in text
+    assert "--no-sync-bn [BOOL]" not in text  # the negative form takes no value
 
 
 def test_readme_shows_the_example_verbatim():

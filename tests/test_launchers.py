@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -69,12 +70,60 @@ def test_spawn_two_cpu_processes(tiny_data, tmp_path):
     assert ":12355" not in res.stderr  # the port is picked, not fixed
 
 
+@pytest.mark.parametrize("case", ["busy-dist-url", "busy-master-port", "bad-dist-url",
+                                  "bad-master-port", "node-rank", "cuda-hidden"])
+def test_spawn_usage_errors_are_one_line_before_any_process_starts(case, monkeypatch, caplog):
+    import train_multi_gpu_using_spawn as spawn
+
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(spawn.mp, "start_processes", _must_not_start)
+    argv = ["--device", "cpu", "--world-size", "2"]
+    busy = socket.socket()  # another job's store listening on the port
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    if case == "busy-dist-url":
+        argv += ["--dist-url", f"tcp://127.0.0.1:{port}"]
+        message = f"port {port} is not free on this machine (Address already in use)"
+    elif case == "busy-master-port":
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        message = f"port {port} is not free on this machine"
+    elif case == "bad-dist-url":
+        argv += ["--dist-url", "tcp://127.0.0.1"]
+        message = "--dist-url 'tcp://127.0.0.1' is not 'env://' or 'tcp://HOST:PORT'"
+    elif case == "bad-master-port":
+        monkeypatch.setenv("MASTER_PORT", "auto")
+        message = "MASTER_PORT='auto' is not a port number; unset it to use a free one."
+    elif case == "node-rank":
+        argv += ["--nnodes", "2", "--node-rank", "2", "--dist-url", "tcp://10.0.0.1:29500"]
+        message = "--node-rank 2 but --nnodes 2: node ranks run from 0 to 1."
+    else:  # no GPU visible (as in CI, or CUDA_VISIBLE_DEVICES="" on a GPU machine)
+        monkeypatch.setattr(spawn.torch.cuda, "is_available", lambda: False)
+        argv = ["--device", "cuda"]
+        message = "--device cuda was asked for, but CUDA is not available here; use --device cpu"
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            spawn.main(spawn.get_args_parser().parse_args(argv))
+    finally:
+        busy.close()
+    assert exit_info.value.code == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], errors
+
+
+def _must_not_start(*args, **kwargs):
+    raise AssertionError("a process was started despite the usage error")
+
+
 def test_plain_python_single_process(tiny_data, tmp_path):
     out = tmp_path / "run"
     res = run([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(tiny_data),
-               *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out)])
+               *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out), "--comm-hook", "bf16"])
     assert res.returncode == 0, res.stderr[-3000:]
     check_run_dir(out, epochs=1, world_size=1)
+    # A flag that cannot act here says so instead of being silently ignored.
+    assert "--comm-hook bf16 does nothing in a single process" in res.stderr
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -278,6 +279,35 @@ def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
     assert distributed_utils._read_env() == (3, 0, 4)
 
 
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"},
+     "RANK and WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT are not; start the processes "
+     "with torchrun"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+     "RANK and WORLD_SIZE are set but MASTER_PORT is not"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "RANK=2 is not a rank of WORLD_SIZE=2 (0 to 1)"),
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "environment variable RANK='one' is not a whole number"),
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4"}, "SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "x"},
+     "environment variable MASTER_PORT='x' is not a whole number"),
+])
+def test_broken_launch_environment_is_one_sentence(slurm_env, env, message):
+    for key, value in env.items():
+        slurm_env.setenv(key, value)
+    with pytest.raises(distributed_utils.LaunchError, match=re.escape(message)):
+        distributed_utils.init_distributed_mode(device="cpu")
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1", "127.0.0.1:29500", "tcp://host:99999"])
+def test_malformed_dist_url_is_one_sentence(slurm_env, url):
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2")):
+        slurm_env.setenv(key, value)
+    with pytest.raises(distributed_utils.LaunchError,
+                       match=re.escape(f"--dist-url {url!r} is not 'env://' or 'tcp://HOST:PORT'")):
+        distributed_utils.init_distributed_mode(device="cpu", dist_url=url)
+
+
 # ---------------------------------------------------------------- spawn launcher, several nodes
 def test_spawn_node_rank_sets_global_ranks(monkeypatch):
     """``--nnodes 2 --node-rank 1`` with 2 processes per node: ranks 2 and 3 of 4.
@@ -300,12 +330,18 @@ def test_spawn_node_rank_sets_global_ranks(monkeypatch):
                     {"RANK": "3", "LOCAL_RANK": "1", **common}]
 
 
-def test_spawn_several_nodes_need_a_shared_address(monkeypatch, capsys):
+def _must_not_start(*args, **kwargs):
+    raise AssertionError("a process was started despite the usage error")
+
+
+def test_spawn_several_nodes_need_a_shared_address(monkeypatch, caplog):
     import train_multi_gpu_using_spawn as spawn
 
     _clear_env(monkeypatch, LAUNCH_VARS)
     args = spawn.get_args_parser().parse_args(["--device", "cpu", "--world-size", "1",
                                                "--nnodes", "2", "--node-rank", "1"])
+    monkeypatch.setattr(spawn.mp, "start_processes", _must_not_start)
     with pytest.raises(SystemExit) as exit_info:
         spawn.main(args)  # exits before starting any process
-    assert "--dist-url tcp://HOST:PORT" in str(exit_info.value.code)
+    assert exit_info.value.code == 2
+    assert "--dist-url tcp://HOST:PORT" in caplog.text

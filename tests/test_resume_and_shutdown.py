@@ -832,6 +832,25 @@ def test_dist_timeout_turns_a_stuck_peer_into_an_error(tmp_path, launched):
 
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_rank_waiting_for_its_peers_stops_on_a_signal(signum, tmp_path, tiny_data, launched):
+    """Rank 0 of 2, whose peer never comes: the rendezvous blocks in C++, where a Python signal
+    handler would wait for --dist-timeout; the signal must end it at once."""
+    port = find_free_port()
+    rank0 = launched([sys.executable, LAUNCH, *flags(tiny_data, tmp_path / "out"),
+                      "--dist-timeout", "600"], RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank0.wait_for(lambda: not port_is_free(port), "rank 0 to host the rendezvous", timeout=120)
+    time.sleep(1)  # into the wait for rank 1
+    rank0.proc.send_signal(signum)
+    try:
+        rank0.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        rank0.fail(f"still waiting for its peer 20 s after {signum.name}")
+    assert rank0.proc.returncode == -signum, rank0.output()[-3000:]
+    assert not (tmp_path / "out").exists()  # nothing was started, so nothing is lost
+
+
 # ---------------------------------------------------------------- 6. the output folder is guarded
 def test_earlier_run_without_checkpoint_is_never_overwritten(run_a, tmp_path, tiny_data,
                                                              train_here):
@@ -908,6 +927,20 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and expect in errors[0], err[-3000:]
     assert "Traceback" not in err
+
+
+def test_missing_tensorboard_is_one_line_before_the_data_is_read(tmp_path, tiny_data, train_here,
+                                                               monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--tensorboard"))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "--tensorboard needs the tensorboard package" in errors[0]
+    assert "pip install tensorboard, or pass --no-tensorboard." in errors[0]
+    assert "training / " not in err  # refused before the data scan
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
 
 
 def test_resume_on_another_world_size_rescales_the_lr(run_a, tmp_path, tiny_data, train_here):
