@@ -745,7 +745,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         images = len(train_loader) * args.batch_size * info.world_size
         record = {"epoch": epoch, "train_loss": round(train_loss, 6), "val_acc": round(val_acc, 6),
                   "val_loss": round(result.loss, 6), "val_top5": result.top5,
-                  "lr": float(f"{lr_used:.6g}"),
+                  "lr": lr_used,  # exact: a schedule can be checked against it
                   "epoch_seconds": round(epoch_seconds, 3),
                   "train_images_per_sec": round(images / train_seconds, 2)}
         history.append(record)
