@@ -7,10 +7,10 @@ Two decoders:
   on the device. About 1.6-1.8x the template's PIL throughput per worker (see ``benchmark.py``).
 - ``decoder="pil"`` (the classic template's contract): ``transform`` receives an RGB PIL image.
 
-Either way EXIF orientation is applied, grayscale/palette/RGBA/CMYK/16-bit become 8-bit RGB, and
-a file that cannot be decoded does not crash the DataLoader worker: it comes back as a black
-image with label ``-100``, which ``nn.CrossEntropyLoss`` and our ``evaluate`` ignore, and is
-reported once (a warning and, with ``skip_log``, a line in the run's ``skipped_files.txt``).
+Either way EXIF orientation is applied, grayscale/palette/RGBA/CMYK/16-bit and 32-bit int/float
+(TIFF) become 8-bit RGB, and a file that cannot be decoded does not crash the DataLoader worker:
+it comes back as a black image with label ``-100``, which ``nn.CrossEntropyLoss`` and our
+``evaluate`` ignore, and is reported once (a warning and, with ``skip_log``, a line in the run's ``skipped_files.txt``).
 """
 
 from __future__ import annotations
@@ -34,19 +34,30 @@ _JPEG_END = b"\xff\xd9"
 _PNG_END = b"IEND"
 
 
+_LINE_BREAKERS = str.maketrans({"\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
 def printable_path(path: str | os.PathLike) -> str:
-    """``path`` as a str that encodes to UTF-8: bytes that are not valid UTF-8 on disk (which
-    Python keeps as lone surrogates) are shown as ``\\xff`` escapes. Other paths are unchanged."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+    """``path`` as one field of a line that encodes to UTF-8: bytes that are not valid UTF-8 on
+    disk (which Python keeps as lone surrogates) are shown as ``\\xff`` escapes, and a tab or
+    line break in a name as ``\\t``/``\\n``/``\\r``, so tab-separated listings stay parseable.
+    Other paths are unchanged."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace").translate(_LINE_BREAKERS)
 
 
 def load_pil_image(path: str) -> Image.Image:
     """An 8-bit RGB PIL image with EXIF orientation applied; raises on undecodable files."""
     with Image.open(path) as img:
         img = ImageOps.exif_transpose(img)
-        if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        if img.mode in ("I;16", "I;16B", "I;16L", "I;16N"):
             # 16-bit grayscale: convert("RGB") would clip at 255 -> white; scale to 8 bits instead.
             img = img.point(lambda v: v * (1 / 256)).convert("L")
+        elif img.mode in ("I", "F"):
+            # 32-bit int or float (e.g. scientific TIFF): convert("RGB") clips at 255, so [0, 1]
+            # floats would train black. The value range says where white is.
+            top = img.getextrema()[1]
+            white = next((w for w in (1.0, 255.0, 65535.0) if top <= w), top)
+            img = img.point(lambda v: v * (255 / white)).convert("L")
         return img.convert("RGB")
 
 

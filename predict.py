@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torchvision.transforms import v2
 
 from model import MODELS
-from my_dataset import load_image_tensor
+from my_dataset import load_image_tensor, printable_path
 from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, get_transforms
 
 log = logging.getLogger(__name__)
@@ -327,8 +327,10 @@ def predict(
 
 
 def format_prediction(pred: Prediction) -> str:
-    """``path<TAB>class: 0.912<TAB>class: 0.051 ...`` (tabs, since paths and names may hold spaces)."""
-    return "\t".join([str(pred.path), *(f"{name}: {prob:.3f}" for name, prob in pred.top_k)])
+    """``path<TAB>class: 0.912<TAB>class: 0.051 ...`` (tabs, since paths and names may hold spaces;
+    a tab or line break inside one is written ``\\t``/``\\n``, bytes that are not UTF-8 ``\\xff``)."""
+    return "\t".join([printable_path(pred.path),
+                      *(f"{printable_path(name)}: {prob:.3f}" for name, prob in pred.top_k)])
 
 
 def _find_run_file(weights: Path, name: str) -> Path | None:

@@ -446,6 +446,12 @@ def _write_mode(kind: str, path_base: Path) -> tuple[Path, np.ndarray, float]:
         Image.fromarray(values).save(path)
         assert Image.open(path).mode.startswith("I;16")
         return path, np.repeat((values >> 8).astype(np.uint8)[..., None], 3, axis=2), 1
+    if kind in ("F", "I"):  # 32-bit float in [0, 1] / 32-bit int in [0, 255] (TIFF)
+        path = path_base.with_suffix(".tif")
+        values = ramp / 255.0 if kind == "F" else ramp.astype(np.int32)
+        Image.fromarray(values.astype(np.float32 if kind == "F" else np.int32), kind).save(path)
+        assert Image.open(path).mode == kind
+        return path, np.repeat(ramp[..., None], 3, axis=2), 1
     if kind == "animated-gif":  # decode_image gives (frames, 3, H, W); we train on frame 0
         path = path_base.with_suffix(".gif")
         frames = [np.zeros((16, 32, 3), np.uint8) for _ in range(3)]
@@ -463,7 +469,7 @@ def _write_mode(kind: str, path_base: Path) -> tuple[Path, np.ndarray, float]:
     return path, expected, 3
 
 
-@pytest.mark.parametrize("kind", ["L", "P", "RGBA", "CMYK", "I;16", "exif6", "exif8",
+@pytest.mark.parametrize("kind", ["L", "P", "RGBA", "CMYK", "I;16", "F", "I", "exif6", "exif8",
                                   "animated-gif"])
 def test_awkward_modes_decode_to_uint8_rgb(tmp_path, kind):
     path, expected, tol = _write_mode(kind, tmp_path / "img")

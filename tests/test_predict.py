@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -123,6 +124,17 @@ def test_main_reads_model_and_img_size_from_checkpoint(run: dict, capsys: pytest
         assert [m["name"] for m in parsed] == [CLASSES[i] for i in top.indices.tolist()]
         for m, p in zip(parsed, top.values.tolist()):
             assert float(m["prob"]) == pytest.approx(p, abs=6e-4)
+
+
+def test_each_image_is_one_line_of_tab_separated_fields_whatever_its_name() -> None:
+    # A tab or newline in a file or class name, and bytes that are not UTF-8 (kept by Python as
+    # surrogates), would split the line or fail to print; they are escaped as in skipped_files.txt.
+    path = Path(os.fsdecode(b"/data/a\tb\nc\xff.jpg"))
+    pred = predict.Prediction(path=path, probs=torch.tensor([0.75, 0.25]),
+                              top_k=[("sun\tflowers", 0.75), ("roses", 0.25)])
+    line = predict.format_prediction(pred)
+    assert line == "/data/a\\tb\\nc\\xff.jpg\tsun\\tflowers: 0.750\troses: 0.250"
+    line.encode("utf-8")  # printable anywhere
 
 
 def test_cli_reports_bad_image_and_still_predicts_the_rest(run: dict) -> None:
