@@ -703,8 +703,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                 if args.scale_lr else "the learning rate is kept (--no-scale-lr)")
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
-        log.info("resumed from %s: epoch %d done, best val acc %.4f", resume_path, ckpt["epoch"],
-                 best_acc)
+        log.info("resumed from %s: epoch %d done, best val acc %.4f%s", resume_path,
+                 ckpt["epoch"], best_acc, f" (its weights replace --weights {args.weights}, "
+                 "which only started the run)" if args.weights else "")
 
     if args.eval_only:
         result = evaluate(model, val_loader, device, amp_dtype=amp_dtype, channels_last=channels_last)
