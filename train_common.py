@@ -561,18 +561,25 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
     checkpoint = out / "checkpoint.pth"
     if checkpoint.exists() and not checkpoint.is_file():
         raise ConfigError(f"{checkpoint} is not a file; move it away or use another --output-dir.")
-    if args.resume == "auto" and not checkpoint.exists():
-        earlier = [name for name in ("metrics.jsonl", "model_best.pth")
-                   if (out / name).is_file() and (out / name).stat().st_size > 0]
-        if any((out / "weights").glob("model-*.pth")):
-            earlier.append("weights/")
-        if earlier:
-            best = (f" continue from its best epoch with --resume {out / 'model_best.pth'},"
-                    if (out / "model_best.pth").is_file() else "")
-            raise CheckpointError(
-                f"{out} holds an earlier run ({', '.join(earlier)}) but no checkpoint.pth to "
-                f"continue from; use another --output-dir,{best} or start over in it with "
-                "--resume none (its files are overwritten).")
+    earlier = [name for name in ("metrics.jsonl", "model_best.pth")
+               if (out / name).is_file() and (out / name).stat().st_size > 0]
+    if any((out / "weights").glob("model-*.pth")):
+        earlier.append("weights/")
+    if args.resume == "auto" and not checkpoint.exists() and earlier:
+        best = (f" continue from its best epoch with --resume {out / 'model_best.pth'},"
+                if (out / "model_best.pth").is_file() else "")
+        raise CheckpointError(
+            f"{out} holds an earlier run ({', '.join(earlier)}) but no checkpoint.pth to "
+            f"continue from; use another --output-dir,{best} or start over in it with "
+            "--resume none (its files are overwritten).")
+    if (args.resume not in ("auto", "none", "", None) and (earlier or checkpoint.exists())
+            and Path(args.resume).resolve().parent != out.resolve()):
+        # Its checkpoint, metrics and best model would be replaced by the other run's, and
+        # weights/ would hold epochs of both.
+        raise CheckpointError(
+            f"{out} holds another run ({', '.join(earlier or ['checkpoint.pth'])}); resuming "
+            f"{args.resume} there would mix the two runs' files. Use another --output-dir, or "
+            f"continue the run that is there with --resume auto.")
     weights = out / "weights"
     if weights.exists() and not weights.is_dir():
         raise ConfigError(f"{weights} is not a folder; move it away or use another --output-dir.")
@@ -690,9 +697,17 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             if len(rng) == info.world_size:
                 restore_rng_state(rng[info.rank])
             trained_by = ckpt.get("args", {}).get("world_size", info.world_size)
+            # The optimizer comes back with the lr of the saved schedule; recompute it on this
+            # run's (another --epochs lays the cosine out anew; another world size rescales it).
+            _rescale_lr(optimizer, scheduler, info.world_size / trained_by if args.scale_lr
+                        else 1.0)
+            planned = ckpt.get("args", {}).get("epochs", args.epochs)
+            if planned != args.epochs and ckpt["epoch"] + 1 < args.epochs and info.is_main:
+                log.warning("%s was planned for --epochs %d, this run has %d: the cosine "
+                            "schedule is laid out anew over %d epochs (lr %.3g at epoch %d).",
+                            resume_path, planned, args.epochs, args.epochs,
+                            optimizer.param_groups[0]["lr"], ckpt["epoch"] + 1)
             if trained_by != info.world_size:
-                _rescale_lr(optimizer, scheduler, info.world_size / trained_by if args.scale_lr
-                            else 1.0)
                 if info.is_main:  # the same on every rank: said once
                     log.warning("%s was trained by %d process(es), this run has %d: the global "
                                 "batch changes from %d to %d, %s; data order and augmentation "
@@ -794,7 +809,7 @@ def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_bes
     try:
         written.append(out / "weights" / f"model-{epoch}.pth")
         save_atomic(state["model"], written[-1])
-        prune_weights(out / "weights", keep_last)
+        prune_weights(out / "weights", keep_last, newest=epoch)
         if is_best:
             written.append(out / "model_best.pth")
             save_atomic(state, written[-1])

@@ -155,13 +155,24 @@ def _tuples(obj: Any) -> Any:
     return tuple(_tuples(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
 
 
-def prune_weights(folder: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` ``model-{epoch}.pth`` files (0 keeps all)."""
+def prune_weights(folder: str | os.PathLike, keep_last: int,
+                  newest: int | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` ``model-{epoch}.pth`` files (0 keeps all).
+
+    ``newest``: the epoch just saved. Files of later epochs are left from a run that went
+    further before this one resumed an earlier checkpoint (e.g. its model_best.pth); they are
+    not this run's newest, so they go first and the file just written is always kept.
+    """
     if keep_last <= 0:
         return []
-    files = sorted(Path(folder).glob("model-*.pth"),
-                   key=lambda p: int(m.group(1)) if (m := re.match(r"model-(\d+)\.pth$", p.name)) else -1)
-    doomed = files[:-keep_last]
+    numbered = []
+    for path in Path(folder).glob("model-*.pth"):
+        if match := re.fullmatch(r"model-(\d+)\.pth", path.name):
+            numbered.append((int(match.group(1)), path))
+    numbered.sort()
+    stale = [p for e, p in numbered if newest is not None and e > newest]
+    current = [p for e, p in numbered if newest is None or e <= newest]
+    doomed = stale + current[:-keep_last]
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed

@@ -32,7 +32,7 @@ import torch
 
 from conftest import ROOT, TINY_FLAGS, child_env, run, torchrun_cmd
 from model import get_model
-from multi_train_utils.checkpoint import CheckpointError, load_file, save_atomic
+from multi_train_utils.checkpoint import CheckpointError, load_file, prune_weights, save_atomic
 from multi_train_utils.distributed_utils import find_free_port
 
 LAUNCH = "train_multi_gpu_using_launch.py"
@@ -670,6 +670,21 @@ def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(run_a, tmp_p
     assert top1 == pytest.approx(read_metrics(out)[0]["val_acc"], abs=1e-4)
 
 
+def test_raising_epochs_on_resume_continues_on_the_new_cosine(tmp_path, tiny_data, train_here):
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2", "--lrf", "0.1"))
+    assert code == 0, err[-3000:]
+    code, err = train_here(flags(tiny_data, out, "--epochs", "4", "--lrf", "0.1"))
+    assert code == 0, err[-3000:]
+    assert "was planned for --epochs 2, this run has 4: the cosine schedule is laid out anew" in err
+    lr0 = load_ckpt(out / "checkpoint.pth")["args"]["lr"]
+    planned = [lr0 * ((1 + math.cos(e * math.pi / 4)) / 2 * 0.9 + 0.1) for e in range(4)]
+    got = [m["lr"] for m in read_metrics(out)]
+    # Epochs 0-1 ran on the 2-epoch plan; from epoch 2 on, the 4-epoch curve (not the old
+    # plan's final lr * lrf for one epoch and then a jump back up).
+    assert got[2:] == [pytest.approx(v, rel=1e-9) for v in planned[2:]]
+
+
 def test_corrupt_checkpoint_names_the_files_to_continue_from(run_a, tmp_path, tiny_data,
                                                               train_here):
     out = tmp_path / "out"
@@ -877,6 +892,41 @@ def test_earlier_run_without_checkpoint_is_never_overwritten(run_a, tmp_path, ti
     code, err = train_here(flags(tiny_data, out, "--epochs", "1", "--resume", "none"))
     assert code == 0, err[-3000:]
     assert [m["epoch"] for m in read_metrics(out)] == [0]
+
+
+def test_resuming_another_runs_checkpoint_into_a_run_folder_is_refused(run_a, tmp_path,
+                                                                      tiny_data, train_here):
+    out, other = tmp_path / "out", tmp_path / "other"
+    shutil.copytree(run_a, out)
+    shutil.copytree(run_a, other)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1), "--resume",
+                                 str(other / "model_best.pth")))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err[-3000:]
+    assert (f"{out} holds another run (metrics.jsonl, model_best.pth, weights/); resuming "
+            f"{other / 'model_best.pth'} there would mix the two runs' files.") in errors[0]
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    # The folder's own files may be resumed from (e.g. its best epoch).
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1), "--keep-last", "1",
+                                 "--resume", str(out / "model_best.pth")))
+    assert code == 0, err[-3000:]
+
+
+def test_keep_last_keeps_the_weights_just_saved_not_a_later_epochs(tmp_path):
+    for epoch in range(6):  # a run that reached epoch 5, resumed from its epoch 2
+        (tmp_path / f"model-{epoch}.pth").write_bytes(b"w")
+    (tmp_path / "model-x.pth").write_bytes(b"not ours")
+    removed = prune_weights(tmp_path, keep_last=2, newest=3)  # epoch 3 was just saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-2.pth", "model-3.pth",
+                                                          "model-x.pth"]
+    assert sorted(p.name for p in removed) == ["model-0.pth", "model-1.pth", "model-4.pth",
+                                               "model-5.pth"]
+    assert prune_weights(tmp_path, keep_last=0, newest=1) == []  # 0 keeps everything
+    prune_weights(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-3.pth", "model-x.pth"]
 
 
 def test_second_run_on_a_busy_output_dir_is_refused(tmp_path, tiny_data, train_here):
