@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -140,7 +141,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                        help="initial weights (state dict or checkpoint); tensors whose shape "
                             "does not fit, e.g. a 1000-class head, are skipped and listed")
     model.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
-                       help="train only the classifier (fc)")
+                       help="train only the classifier (fc); BatchNorm statistics stay fixed too")
     model.add_argument("--sync-bn", "--syncBN", dest="sync_bn", action=BoolFlag, default=True,
                        help="synchronise BatchNorm statistics across processes "
                             "(torch's SyncBatchNorm on CUDA, ours on CPU)")
@@ -430,7 +431,21 @@ def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> 
             param.requires_grad_(name.startswith("fc."))
     if args.sync_bn and info.distributed:
         model = convert_sync_batchnorm(model, info.device)
+    if args.freeze_layers:
+        _hold_frozen_norms(model)
     return model
+
+
+def _hold_frozen_norms(model: nn.Module) -> None:
+    """BatchNorm layers with frozen weights also keep their running statistics (eval mode even
+    while training), as in linear probing; in train mode every batch would still move them."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and not any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def to_eval(module: nn.Module, inputs: Any) -> None:  # after model.train() set them back
+        for norm in norms:
+            norm.eval()
+    model.register_forward_pre_hook(to_eval)
 
 
 def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
@@ -499,6 +514,18 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
                               f"has {len(classes)}; resume with the data it was trained on, or "
                               "use another --output-dir.")
+    # The split is drawn from (seed, val rate): another one would validate on training images.
+    redrawn = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
+               for k in ("seed", "val_rate") if k in saved and saved[k] != getattr(args, k)]
+    if redrawn and not args.eval_only:
+        raise CheckpointError(f"{path} was trained with {', '.join(redrawn)}: another value "
+                              "draws another train/validation split, so validation would include "
+                              "images it trained on; resume with the values it was trained with, "
+                              "or start over with --resume none or another --output-dir.")
+    if redrawn and warn:
+        log.warning("%s was trained with %s: this evaluation draws another validation split, "
+                    "which may include images it trained on; pass the values it was trained "
+                    "with to score it on its own validation images.", path, ", ".join(redrawn))
     frozen = saved.get("freeze_layers", args.freeze_layers)
     if frozen != args.freeze_layers and not args.eval_only:
         # The optimizer state holds one entry per trainable tensor: it cannot be carried over.
@@ -633,6 +660,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     scan, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(args, info, out)
     classes = scan.classes
     num_classes = len(classes)
+    val_split = _split_digest(scan.root, val_set.images_path)
 
     model = _build_model(args, info, num_classes)
     resume_path = _resolve_resume(args, out)
@@ -716,6 +744,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                 info.world_size * args.batch_size,
                                 "the learning rate is rescaled to match (--scale-lr)"
                                 if args.scale_lr else "the learning rate is kept (--no-scale-lr)")
+        if ckpt.get("val_split", val_split) != val_split and info.is_main:
+            log.warning("the validation images differ from those %s was validated on (the data "
+                        "changed): validation may now include images it trained on, and val "
+                        "accuracy is not comparable with earlier epochs.", resume_path)
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
         log.info("resumed from %s: epoch %d done, best val acc %.4f%s", resume_path,
@@ -727,6 +759,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         _report_eval(result, classes)
         return
 
+    if start_epoch >= args.epochs:  # a finished run's files stay as trained
+        log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
+                 start_epoch - 1, args.epochs)
+        return
     if info.is_main:
         write_json_atomic(out / "args.json", _jsonable(args, world_size=info.world_size,
                                                        backend=info.backend, device=str(device)))
@@ -735,8 +771,6 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         _write_metrics(out / "metrics.jsonl", history)
     writer = _tensorboard(args, info, out, start_epoch, train_set, classes)
 
-    if start_epoch >= args.epochs:
-        log.info("all %d epochs already done in %s; nothing to train.", args.epochs, out)
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
@@ -765,7 +799,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                   "epoch_seconds": round(epoch_seconds, 3),
                   "train_images_per_sec": round(images / train_seconds, 2)}
         history.append(record)
-        is_best = val_acc > best_acc
+        # The first epoch is the best so far even at 0 accuracy: model_best.pth always exists.
+        is_best = val_acc > best_acc or not (out / "model_best.pth").is_file()
         best_acc = max(best_acc, val_acc)
         rng_states = all_gather_object(capture_rng_state())
         state = None
@@ -773,7 +808,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                      "lr_scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc,
                      "args": _jsonable(args, num_classes=num_classes, world_size=info.world_size),
-                     "classes": classes, "metrics": history, "rng_states": rng_states}
+                     "classes": classes, "metrics": history, "rng_states": rng_states,
+                     "val_split": val_split}
             if scaler.is_enabled():
                 state["scaler"] = scaler.state_dict()
         with _signals_held():  # on every rank: a stop now waits until the epoch is on disk
@@ -826,6 +862,13 @@ def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_bes
         raise RunError(f"could not save epoch {epoch} in {out}: {exc.strerror or exc}; free space "
                        f"or fix the folder, then run the same command again: it continues from "
                        f"{done}.") from None
+
+
+def _split_digest(root: str | os.PathLike, paths: list[str]) -> str:
+    """A short fingerprint of which files are validation images (relative to the data root, so
+    a moved data set keeps it)."""
+    names = sorted(os.path.relpath(p, root) for p in paths)
+    return hashlib.sha256("\n".join(names).encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def _rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,

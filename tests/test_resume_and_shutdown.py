@@ -655,6 +655,8 @@ def test_resume_with_other_freeze_layers_is_one_error_line(run_a, tmp_path, tiny
     trained = load_ckpt(run_a / "checkpoint.pth")["model"]
     now = load_ckpt(out / "checkpoint.pth")["model"]
     assert torch.equal(now["conv1.weight"], trained["conv1.weight"])  # frozen, from the file
+    for key in ("bn1.running_mean", "layer4.1.bn2.running_var"):  # BatchNorm statistics too
+        assert torch.equal(now[key], trained[key]), key
     assert not torch.equal(now["fc.weight"], trained["fc.weight"])  # trained on
 
 
@@ -683,6 +685,53 @@ def test_raising_epochs_on_resume_continues_on_the_new_cosine(tmp_path, tiny_dat
     # Epochs 0-1 ran on the 2-epoch plan; from epoch 2 on, the 4-epoch curve (not the old
     # plan's final lr * lrf for one epoch and then a jump back up).
     assert got[2:] == [pytest.approx(v, rel=1e-9) for v in planned[2:]]
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_files(run_a, tmp_path, tiny_data,
+                                                                    train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    for epochs in (EPOCHS, EPOCHS - 1):  # e.g. with another --img-size: args.json stays as trained
+        code, err = train_here(flags(tiny_data, out, "--epochs", str(epochs), "--img-size", "48"))
+        assert code == 0, err[-3000:]
+        assert (f"{out} holds epochs 0-{EPOCHS - 1}, so --epochs {epochs} leaves nothing to "
+                "train.") in err
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
+def test_resume_with_another_seed_or_val_rate_is_refused(run_a, tmp_path, tiny_data, train_here):
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    argv = flags(tiny_data, out, "--epochs", str(EPOCHS + 1))
+    argv[argv.index("--seed") + 1] = "7"
+    code, err = train_here([*argv, "--val-rate", "0.3"])
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err[-3000:]
+    assert (f"{out / 'checkpoint.pth'} was trained with --seed 0 (not 7), --val-rate 0.2 (not "
+            "0.3): another value draws another train/validation split") in errors[0]
+    # Evaluation may use other values, but is told what it scores.
+    code, err = train_here([*argv, "--eval-only", "--resume", str(out / "checkpoint.pth")])
+    assert code == 0, err[-3000:]
+    assert "was trained with --seed 0 (not 7): this evaluation draws another validation split" in err
+
+
+def test_resume_on_changed_data_warns_that_validation_moved(run_a, tmp_path, tiny_data,
+                                                            train_here):
+    out, data = tmp_path / "out", tmp_path / "data"
+    shutil.copytree(run_a, out)
+    shutil.copytree(tiny_data, data)  # moved: the same files elsewhere keep their split
+    code, err = train_here(flags(data, out, "--epochs", str(EPOCHS + 1)))
+    assert code == 0, err[-3000:]
+    assert "the validation images differ" not in err
+    first = sorted((data / "daisy").iterdir())[0]
+    shutil.copy(first, data / "daisy" / "added.jpg")  # one more image re-draws the class split
+    code, err = train_here(flags(data, out, "--epochs", str(EPOCHS + 2)))
+    assert code == 0, err[-3000:]
+    assert (f"the validation images differ from those {out / 'checkpoint.pth'} was validated on "
+            "(the data changed)") in err
 
 
 def test_corrupt_checkpoint_names_the_files_to_continue_from(run_a, tmp_path, tiny_data,
