@@ -842,16 +842,24 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except "(default: None)": those flags say their fallback in the help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Benchmark the input pipeline, training loop, DDP scaling and memory.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=add_help)
-    parser.add_argument("--model", default="resnet34", choices=sorted(MODELS))
+        formatter_class=_HelpFormatter, add_help=add_help)
+    parser.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
     parser.add_argument("--img-size", type=int, default=64,
                         help="training crop for the loop and scaling runs")
     parser.add_argument("--batch-size", "--batch_size", type=int, default=16,
                         help="per process (and the batch a pipeline worker collates)")
-    parser.add_argument("--num-classes", type=int, default=5)
+    parser.add_argument("--num-classes", type=int, default=5,
+                        help="classifier outputs (the labels are synthetic)")
     parser.add_argument("--lr", type=float, default=0.001, help="x world size, as in training")
     parser.add_argument("--pipeline-images", type=int, default=200,
                         help="JPEGs decoded per pipeline pass")
@@ -859,7 +867,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="crop of the pipeline comparison (the template's 224)")
     parser.add_argument("--image-dir", default=None,
                         help="where the test JPEGs are generated and cached "
-                             "(default: ~/.cache/ddp-template/bench_photos_v1)")
+                             "(default: ddp-template/bench_photos_v1 in $XDG_CACHE_HOME or ~/.cache)")
     parser.add_argument("--gpu-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="also time decode_jpeg(device='cuda') (default: on with CUDA)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
@@ -873,8 +881,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                              "(default: visible GPUs, or 2 on CPU)")
     parser.add_argument("--epoch-images", type=int, default=FLOWER_TRAIN_IMAGES,
                         help="images in one epoch for the time-per-epoch chart "
-                             "(default: flower_photos' training split)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+                             "(default: %(default)s, flower_photos' training split)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: CUDA if available, else the CPU")
     parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                         help="mixed precision (default: on for CUDA, off for CPU)")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
@@ -891,7 +900,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="also run the largest process count without gradient "
                              "communication (the hardware's ceiling) and with the other "
                              "comm hooks, and time the all-reduce alone")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the generated photos and the synthetic batches")
     parser.add_argument("--output-dir", default="benchmark_results",
                         help="benchmark.json and benchmark.png go here")
     return parser

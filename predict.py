@@ -1,29 +1,31 @@
 """Classify images with a checkpoint written by the training script.
 
-Give it any checkpoint the training run left behind and the class list it wrote::
+Give it any checkpoint the training run left behind::
 
-    # full checkpoint: the architecture and image size are read from the checkpoint's "args"
-    python predict.py --weights output/model_best.pth --class-indices output/class_indices.json tulip.jpg
+    # full checkpoint: the class names, architecture and image size are all read from it
+    python predict.py --weights output/model_best.pth tulip.jpg
 
-    # bare per-epoch state dict: architecture and image size come from the run's args.json;
-    # folders mean "every image below" (hidden files and folders skipped)
+    # bare per-epoch state dict: class names come from the run's class_indices.json, architecture
+    # and image size from its args.json; folders mean "every image below" (hidden ones skipped)
     python predict.py --weights output/weights/model-29.pth photos/ more.png
 
-``--class-indices`` may be left out when ``class_indices.json`` sits next to the weights file or
-one folder above it (the layout training writes); bare weights find the run's ``args.json`` the
-same way, and ``--model``/``--img-size`` given on the command line always win. Each image prints
+A full checkpoint (``checkpoint.pth``, ``model_best.pth``) carries the class list it was trained
+on, so it works copied anywhere on its own. Bare weights need ``--class-indices``, which may be
+left out when ``class_indices.json`` sits next to the weights file or one folder above it (the
+layout training writes); they find the run's ``args.json`` the same way, and
+``--model``/``--img-size`` given on the command line always win. Each image prints
 one line on stdout, tab-separated: the path, then the top-k ``class: probability`` pairs. An
 image that cannot be read (or a dangling symlink) is reported on stderr and the rest are still
 predicted; the exit code is then 1 (so is a missing image path: one typo does not stop the rest).
 Mistakes in the other arguments (a missing weights or class-indices file, a class list that does
-not fit the checkpoint) exit with code 2.
+not fit the checkpoint or disagrees with the one inside it) exit with code 2.
 
 From Python::
 
-    from predict import load_class_names, load_checkpoint, build_model, predict
+    from predict import load_checkpoint_with_classes, build_model, predict
 
-    class_names = load_class_names("output/class_indices.json")
-    state_dict, train_args = load_checkpoint("output/model_best.pth")
+    state_dict, train_args, class_names = load_checkpoint_with_classes("output/model_best.pth")
+    # bare weights: class_names is None; use load_class_names("output/class_indices.json")
     model = build_model(train_args.get("model", "resnet34"), state_dict, len(class_names))
     for p in predict(model, ["tulip.jpg"], class_names, img_size=224, device="cpu", top_k=3):
         print(p.path, p.top_k)
@@ -143,7 +145,20 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
 
     Accepts a full checkpoint (``{"model": state_dict, "args": {...}, ...}``) or a bare state
     dict; ``train_args`` is ``{}`` for the latter. Loads with ``weights_only=True`` so a file from
-    an untrusted source cannot run code.
+    an untrusted source cannot run code. :func:`load_checkpoint_with_classes` also returns the
+    class names a full checkpoint carries.
+    """
+    state_dict, train_args, _ = load_checkpoint_with_classes(path)
+    return state_dict, train_args
+
+
+def load_checkpoint_with_classes(
+    path: str | Path,
+) -> tuple[dict[str, Tensor], dict[str, Any], list[str] | None]:
+    """Like :func:`load_checkpoint`, returning ``(state_dict, train_args, class_names)``.
+
+    ``class_names`` is the checkpoint's ``"classes"`` entry (names in label order), or ``None`` for
+    a bare state dict or a checkpoint saved without one.
     """
     path = Path(path)
     if path.is_dir():
@@ -164,16 +179,22 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"Cannot load weights file {path} ({reason}).") from None
 
+    classes = None
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
-        state_dict, train_args = obj["model"], obj.get("args")
+        state_dict, train_args, classes = obj["model"], obj.get("args"), obj.get("classes")
         train_args = dict(train_args) if isinstance(train_args, Mapping) else {}
+        if classes is not None and not (
+            isinstance(classes, (list, tuple)) and classes and all(isinstance(c, str) for c in classes)
+        ):
+            log.warning("Ignoring the 'classes' entry of %s, which is not a list of class names.", path)
+            classes = None
     elif isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
         state_dict, train_args = obj, {}
     else:
         raise UsageError(
             f"Weights file {path} holds neither a state dict nor a checkpoint with a 'model' entry."
         )
-    return _strip_wrapper_prefixes(state_dict), train_args
+    return _strip_wrapper_prefixes(state_dict), train_args, None if classes is None else list(classes)
 
 
 def build_model(model_name: str, state_dict: Mapping[str, Tensor], num_classes: int) -> nn.Module:
@@ -353,6 +374,42 @@ def _default_class_indices(weights: Path) -> Path:
     return found
 
 
+def resolve_class_names(
+    weights: str | Path, class_indices: str | Path | None, checkpoint_classes: Sequence[str] | None
+) -> list[str]:
+    """The class names by label index: the checkpoint's own list when it has one, else the file's.
+
+    ``class_indices`` (or, when ``None``, a ``class_indices.json`` next to ``weights`` or one
+    folder up) is required for bare weights. With a checkpoint list it is optional, but one that
+    is there must list the same names in the same order: a disagreeing list means files of two
+    runs got mixed up, and the user should hear which labels they were about to trust.
+    """
+    weights = Path(weights)
+    if checkpoint_classes is None:
+        return load_class_names(class_indices or _default_class_indices(weights))
+    classes = list(checkpoint_classes)
+    path = Path(class_indices) if class_indices else _find_run_file(weights, "class_indices.json")
+    if path is None:
+        return classes
+    names = load_class_names(path)
+    if names == classes:
+        return classes
+
+    if len(names) != len(classes):
+        what = f"lists {len(names)} classes but checkpoint {weights} was trained on {len(classes)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(names, classes)) if a != b)
+        how = "the classes in another order" if sorted(names) == sorted(classes) else "other classes"
+        what = (f"lists {how} than checkpoint {weights} (class {i} is {names[i]!r} there, "
+                f"{classes[i]!r} in the checkpoint)")
+    if class_indices:
+        fix = "drop --class-indices: without it the checkpoint's own class list is used"
+    else:  # found next to the weights, not given: the folder mixes files of two runs
+        fix = ("it seems to belong to another run: move it out of that folder and the "
+               "checkpoint's own class list is used")
+    raise UsageError(f"{path} {what}; {fix}.")
+
+
 def _run_args_near(weights: Path) -> dict[str, Any]:
     """The training run's ``args.json`` next to ``weights`` or one folder up, else ``{}``.
 
@@ -378,11 +435,10 @@ def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         device = resolve_device(args.device)
-        state_dict, train_args = load_checkpoint(args.weights)
+        state_dict, train_args, checkpoint_classes = load_checkpoint_with_classes(args.weights)
         if not train_args:
             train_args = _run_args_near(args.weights)
-        class_indices = args.class_indices or _default_class_indices(args.weights)
-        class_names = load_class_names(class_indices)
+        class_names = resolve_class_names(args.weights, args.class_indices, checkpoint_classes)
         # `or`, not a .get default: args.json-style records hold null for unset options.
         model_name = args.model or str(train_args.get("model") or DEFAULT_MODEL)
         img_size = args.img_size or int(train_args.get("img_size") or DEFAULT_IMG_SIZE)
@@ -446,7 +502,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         type=Path,
         metavar="PATH",
         default=None,
-        help="JSON mapping index -> class name; default: class_indices.json next to --weights or one folder up",
+        help="JSON mapping index -> class name, for bare weights (full checkpoints carry their own list); "
+        "default: class_indices.json next to --weights or one folder up",
     )
     group.add_argument(
         "--model",

@@ -104,7 +104,8 @@ POSITIVE_INT = _number(int, 1, "a whole number of at least 1")
 COUNT = _number(int, 0, "a whole number of at least 0")
 POSITIVE = _number(float, math.ulp(0.0), "greater than 0")
 NON_NEGATIVE = _number(float, 0.0, "at least 0")
-FRACTION = _number(float, 0.0, "at least 0 and below 1", below=1.0)
+FRACTION = _number(float, math.ulp(0.0), "above 0 and below 1 (training validates every epoch)",
+                   below=1.0)
 
 
 def default_workers(batch_size: int) -> int:
@@ -319,9 +320,15 @@ def train(args: argparse.Namespace) -> None:
     except KeyboardInterrupt as exc:
         _expect_worker_deaths()
         signame = str(exc) or "SIGINT"
-        if info is None or info.is_main:
-            log.error("interrupted by %s; the last complete checkpoint is in %s - run the same "
-                      "command again to resume.", signame, args.output_dir)
+        if (info is None or info.is_main) and args.eval_only:
+            log.error("interrupted by %s.", signame)
+        elif info is None or info.is_main:
+            if (Path(args.output_dir) / "checkpoint.pth").is_file():
+                log.error("interrupted by %s; the last complete checkpoint is in %s - run the "
+                          "same command again to resume.", signame, args.output_dir)
+            else:
+                log.error("interrupted by %s before the first epoch was saved; run the same "
+                          "command again to start.", signame)
         sys.exit(143 if signame == "SIGTERM" else 130)
     finally:
         cleanup()
@@ -371,7 +378,7 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
         raise DataError(f"the validation split of {root} is empty (val rate {args.val_rate}); "
                         "raise --val-rate or add images.")
     needed = info.world_size * args.batch_size
-    if len(train_p) < needed:
+    if len(train_p) < needed and not args.eval_only:  # evaluation forms no training batch
         raise DataError(f"{len(train_p)} training images are fewer than world size "
                         f"{info.world_size} x batch size {args.batch_size} = {needed}, so no full "
                         "batch could be formed; lower --batch-size or add images.")
@@ -434,6 +441,19 @@ def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> 
     if args.freeze_layers:
         _hold_frozen_norms(model)
     return model
+
+
+def _check_norm_batch(args: argparse.Namespace, info: DistInfo, model: nn.Module) -> None:
+    """Training BatchNorm needs more than one value per channel; ResNet's last stage is
+    ceil(img_size / 32) pixels square, so batch 1 at 32 px or less would fail mid-step."""
+    if args.eval_only or args.freeze_layers:  # eval mode: running statistics, any batch works
+        return
+    per_norm = args.batch_size * (info.world_size if args.sync_bn and info.distributed else 1)
+    has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_norm and per_norm * math.ceil(args.img_size / 32) ** 2 == 1:
+        raise ConfigError(f"--batch-size {args.batch_size} at --img-size {args.img_size}: the last "
+                          "BatchNorm layers would see one value per channel, which training "
+                          "cannot normalise; use --batch-size 2 or more, or --img-size above 32.")
 
 
 def _hold_frozen_norms(model: nn.Module) -> None:
@@ -645,6 +665,12 @@ def _jsonable(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, info: DistInfo) -> None:
     out = Path(args.output_dir)
+    data_root = Path(args.data_path or args.demo_dir or default_demo_root())
+    if not args.eval_only and out.resolve().is_relative_to(data_root.resolve()):
+        # The next scan would find the run's folder as one more class (its PNGs as images).
+        raise ConfigError(f"--output-dir {out} is inside the data folder {data_root}, where its "
+                          "files would be read as images of a class; choose an output folder "
+                          "outside it.")
     if not args.eval_only:  # evaluation writes nothing
         _check_on_rank0(_claim_output_dir, args, out, info=info)
         if args.tensorboard:  # found now, not as a traceback after the data scan
@@ -663,6 +689,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     val_split = _split_digest(scan.root, val_set.images_path)
 
     model = _build_model(args, info, num_classes)
+    _check_norm_batch(args, info, model)
     resume_path = _resolve_resume(args, out)
     ckpt = _load_checkpoint(resume_path, args, classes, warn=info.is_main) if resume_path else None
     if ckpt is not None:

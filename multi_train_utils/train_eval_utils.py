@@ -174,8 +174,8 @@ class EvalResult(int):
 
     @property
     def top5(self) -> float | None:
-        """Top-5 accuracy, or None when the model has fewer than 5 classes."""
-        if self.confusion.shape[0] < 5 or not self.num_samples:
+        """Top-5 accuracy, or None with 5 classes or fewer (where it is always 1)."""
+        if self.confusion.shape[0] <= 5 or not self.num_samples:
             return None
         return self.top5_correct / self.num_samples
 

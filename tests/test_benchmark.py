@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import struct
 import sys
@@ -167,3 +168,22 @@ def test_photos_are_cached_and_photo_like(tmp_path):
         contents.add(Path(path).read_bytes())
         assert Path(path).stat().st_size > 15_000  # noisy photo-like content, not flat colour
     assert len(contents) == 3  # every image differs
+
+
+def test_help_shows_each_default_once(monkeypatch):
+    from benchmark import FLOWER_TRAIN_IMAGES, get_args_parser
+
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps to the terminal: keep each help on one line
+    parser = get_args_parser()
+    text = parser.format_help()
+    # One block per option: its "  --flag" line and the help lines under it.
+    blocks = {block.split()[0].rstrip(","): block for block in re.split(r"\n(?=  -)", text)[1:]}
+
+    assert "(default: None)" not in text  # None means "decided at run time"; the help says how
+    assert len(blocks) == len(parser._actions)  # every option got its own block
+    for flag, block in blocks.items():
+        # ArgumentDefaultsHelpFormatter appends one unless the help already names the default.
+        assert block.count("(default:") == (0 if flag == "-h" else 1), block
+    assert f"(default: {FLOWER_TRAIN_IMAGES}, flower_photos' training split)" in blocks["--epoch-images"]
+    assert "(default: on for CUDA, off for CPU)" in blocks["--amp"]
+    assert "(default: False)" in blocks["--compile"]

@@ -33,7 +33,7 @@ from dist_helpers import flat_state, run_ranks
 from model import get_model
 from multi_train_utils.distributed_utils import reduce_value, register_comm_hook
 from multi_train_utils.sync_batchnorm import SyncBatchNormCPU, convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import EvalResult, evaluate, train_one_epoch
 
 CPU = torch.device("cpu")
 NUM_CLASSES = 7  # >= 5, so top-5 is not trivially every class
@@ -111,6 +111,13 @@ def _eval_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
         loader = DataLoader(dataset, batch_size=EVAL_BATCH, sampler=sampler)
         out[f"shuffle={shuffle}"] = _summary(evaluate(model, loader, CPU))
     return out
+
+
+@pytest.mark.parametrize("classes, top5", [(4, None), (5, None), (6, 0.5)])
+def test_top5_is_reported_only_where_it_can_miss(classes, top5):
+    result = EvalResult(1, top5_correct=2, num_samples=4, loss_sum=1.0,
+                        confusion=torch.zeros(classes, classes, dtype=torch.long))
+    assert result.top5 == top5 and result.top1 == 0.25
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -145,8 +145,10 @@ def test_sync_bn_flag_rejects_nonsense(capsys):
     (["--batch-size", "0"], "--batch_size: must be a whole number of at least 1, not 0"),
     (["--lr", "nan"], "--lr: must be greater than 0, not nan"),
     (["--workers", "-1"], "--workers: must be a whole number of at least 0, not -1"),
-    (["--val-rate", "1"], "--val-rate: must be at least 0 and below 1, not 1"),
-    (["--val-rate", "-0.1"], "--val-rate: must be at least 0 and below 1, not -0.1"),
+    (["--val-rate", "1"], "--val-rate: must be above 0 and below 1 (training validates every "
+                          "epoch), not 1"),
+    (["--val-rate", "0"], "--val-rate: must be above 0 and below 1"),
+    (["--val-rate", "-0.1"], "--val-rate: must be above 0 and below 1"),
     (["--val-rate", "a"], "--val-rate: invalid float value: 'a'"),
 ])
 def test_bad_numbers_are_usage_errors_before_anything_runs(argv, message, capsys):

@@ -40,12 +40,14 @@ def _noise_image(path: Path, size: tuple[int, int], mode: str, seed: int) -> Pat
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A training output dir: full checkpoint, bare per-epoch weights, class indices, images."""
+    """A training output dir: full checkpoint (with its class list, as training saves it), bare
+    per-epoch weights, class indices, images."""
     out = tmp_path_factory.mktemp("run")
     torch.manual_seed(0)
     model = MODELS["resnet18"](num_classes=len(CLASSES)).eval()
     train_args = {"model": "resnet18", "num_classes": len(CLASSES), "img_size": IMG_SIZE}
-    torch.save({"model": model.state_dict(), "optimizer": {}, "epoch": 2, "args": train_args}, out / "checkpoint.pth")
+    torch.save({"model": model.state_dict(), "optimizer": {}, "epoch": 2, "args": train_args, "classes": CLASSES},
+               out / "checkpoint.pth")
     (out / "weights").mkdir()
     torch.save(model.state_dict(), out / "weights" / "model-2.pth")
     (out / "class_indices.json").write_text(json.dumps({str(i): c for i, c in enumerate(CLASSES)}))
@@ -155,11 +157,13 @@ def test_cli_reports_bad_image_and_still_predicts_the_rest(run: dict) -> None:
     assert lines[0].count(": ") == len(CLASSES)  # default top-5 capped at 3 classes
 
 
-def test_cli_class_count_mismatch_is_one_line_exit_2(run: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", ["checkpoint.pth", "weights/model-2.pth"])
+def test_cli_class_count_mismatch_is_one_line_exit_2(run: dict, tmp_path: Path, weights: str) -> None:
+    # Checked against the checkpoint's class list, or, for bare weights, against the classifier.
     four = tmp_path / "class_indices.json"
     four.write_text(json.dumps({str(i): c for i, c in enumerate([*CLASSES, "sunflower"])}))
 
-    result = _run_cli("--weights", run["dir"] / "checkpoint.pth", "--class-indices", four, run["images"][0])
+    result = _run_cli("--weights", run["dir"] / weights, "--class-indices", four, run["images"][0])
 
     assert result.returncode == 2
     assert result.stdout == ""
@@ -190,13 +194,14 @@ def test_load_checkpoint_accepts_full_and_bare_and_strips_module_prefix(run: dic
     wrapped = tmp_path / "ddp.pth"
     torch.save({f"module.{k}": v for k, v in reference.items()}, wrapped)
 
-    for path, expected_args in [
-        (run["dir"] / "checkpoint.pth", {"model": "resnet18", "num_classes": 3, "img_size": IMG_SIZE}),
-        (run["dir"] / "weights" / "model-2.pth", {}),
-        (wrapped, {}),
+    for path, expected_args, expected_classes in [
+        (run["dir"] / "checkpoint.pth", {"model": "resnet18", "num_classes": 3, "img_size": IMG_SIZE}, CLASSES),
+        (run["dir"] / "weights" / "model-2.pth", {}, None),
+        (wrapped, {}, None),
     ]:
         state_dict, train_args = predict.load_checkpoint(path)
         assert train_args == expected_args
+        assert predict.load_checkpoint_with_classes(path)[2] == expected_classes
         assert state_dict.keys() == reference.keys()
         assert all(torch.equal(state_dict[k], reference[k]) for k in reference)
 
@@ -346,3 +351,73 @@ def test_bare_weights_use_the_runs_args_json_unless_flags_say_otherwise(
     (out / "args.json").write_text(json.dumps({"model": "resnet34", "img_size": 224}))
     expected_32 = _expected_probs(run["model"], image, img_size=32).max().item()
     assert top1("--model", "resnet18", "--img-size", "32") == pytest.approx(expected_32, abs=6e-4)
+
+
+def _top_names(line: str) -> list[str]:
+    return [PAIR.match(pair)["name"] for pair in line.split("\t")[1:]]
+
+
+def test_full_checkpoint_alone_uses_its_own_class_names(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # model_best.pth copied on its own: no class_indices.json here or one folder up.
+    weights = tmp_path / "deployed" / "model_best.pth"
+    weights.parent.mkdir()
+    weights.write_bytes((run["dir"] / "checkpoint.pth").read_bytes())
+    image = run["images"][0]
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", weights, "--top-k", "3", image)
+
+    assert code == 0, _errors(caplog)
+    (line,) = capsys.readouterr().out.splitlines()
+    expected = _expected_probs(run["model"], image)
+    assert _top_names(line) == [CLASSES[i] for i in expected.argsort(descending=True).tolist()]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["--class-indices", "found-next-to-weights"])
+def test_class_list_in_another_order_than_the_checkpoint_is_one_line_exit_2(
+    run: dict, tmp_path: Path, given: bool
+) -> None:
+    # Same names, other order: used as given, every label would be wrong and nothing would say so.
+    weights = tmp_path / "model_best.pth"
+    weights.write_bytes((run["dir"] / "checkpoint.pth").read_bytes())
+    reordered = tmp_path / ("rev.json" if given else "class_indices.json")
+    reordered.write_text(json.dumps({str(i): c for i, c in enumerate(reversed(CLASSES))}))
+
+    flags = ["--class-indices", reordered] if given else []
+    result = _run_cli("--weights", weights, *flags, run["images"][0])
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    (message,) = result.stderr.strip().splitlines()
+    assert str(reordered) in message and str(weights) in message
+    assert "another order" in message
+    assert ("drop --class-indices" if given else "move it out") in message
+
+
+@pytest.mark.parametrize("weights", ["bare", "checkpoint-without-classes"])
+def test_weights_without_a_class_list_still_need_class_indices(
+    run: dict, tmp_path: Path, weights: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "alone" / "model.pth"
+    path.parent.mkdir()
+    if weights == "bare":
+        path.write_bytes((run["dir"] / "weights" / "model-2.pth").read_bytes())
+    else:  # saved before checkpoints carried their classes, or by another tool
+        checkpoint = torch.load(run["dir"] / "checkpoint.pth", weights_only=True)
+        del checkpoint["classes"]
+        torch.save(checkpoint, path)
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", path, "--model", "resnet18", run["images"][0])
+
+    assert code == 2
+    (message,) = _errors(caplog)
+    assert "No --class-indices given" in message and str(path) in message
+
+    caplog.clear()
+    (path.parent / "class_indices.json").write_text((run["dir"] / "class_indices.json").read_text())
+    with caplog.at_level(logging.INFO):
+        assert _main("--weights", path, "--model", "resnet18", "--img-size", IMG_SIZE, run["images"][0]) == 0, \
+            _errors(caplog)

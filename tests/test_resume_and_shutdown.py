@@ -523,6 +523,21 @@ def test_signal_during_checkpoint_write_lets_the_epoch_finish_saving(tmp_path, t
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
 
 
+def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, tiny_data,
+                                                                     train_here, monkeypatch):
+    import train_common
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("SIGINT")
+
+    monkeypatch.setattr(train_common, "train_one_epoch", interrupted)
+    code, err = train_here(flags(tiny_data, tmp_path / "out"))
+    assert code == 130, err[-3000:]
+    assert "interrupted by SIGINT before the first epoch was saved; run the same command again " \
+           "to start." in err
+    assert "last complete checkpoint" not in err
+
+
 def test_second_ctrl_c_does_not_wait_for_the_save(train_here):
     """While a checkpoint is written one Ctrl-C (or SIGTERM) waits for it; a second Ctrl-C stops
     at once, e.g. when the save hangs on a dead network mount."""
@@ -665,7 +680,9 @@ def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(run_a, tmp_p
     out = tmp_path / "out"
     shutil.copytree(run_a, out)  # checkpoint.pth holds epoch 2; --weights asks for epoch 0
     weights = out / "weights" / "model-0.pth"
-    code, err = train_here(flags(tiny_data, out, "--eval-only", "--weights", str(weights)))
+    # --batch-size 64 > the training images: evaluation needs no full training batch.
+    code, err = train_here(flags(tiny_data, out, "--eval-only", "--weights", str(weights),
+                                 "--batch-size", "64"))
     assert code == 0, err[-3000:]
     assert "resumed from" not in err and f"loaded {weights}; skipped 0 tensor(s)" in err
     top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", err).group(1))
@@ -732,6 +749,26 @@ def test_resume_on_changed_data_warns_that_validation_moved(run_a, tmp_path, tin
     assert code == 0, err[-3000:]
     assert (f"the validation images differ from those {out / 'checkpoint.pth'} was validated on "
             "(the data changed)") in err
+
+
+def test_model_best_exists_even_when_accuracy_stays_zero(tmp_path, tiny_data, train_here,
+                                                          monkeypatch):
+    import train_common
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    real_evaluate = train_common.evaluate
+
+    def nothing_right(*args, **kwargs):  # a hard task's first epochs
+        r = real_evaluate(*args, **kwargs)
+        return EvalResult(0, top5_correct=0, num_samples=r.num_samples,
+                          loss_sum=r.loss * r.num_samples, confusion=r.confusion)
+
+    monkeypatch.setattr(train_common, "evaluate", nothing_right)
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    assert code == 0, err[-3000:]
+    assert [m["val_acc"] for m in read_metrics(out)] == [0.0, 0.0]
+    assert load_ckpt(out / "model_best.pth")["epoch"] == 0  # the first of equals
 
 
 def test_corrupt_checkpoint_names_the_files_to_continue_from(run_a, tmp_path, tiny_data,
@@ -998,10 +1035,16 @@ def test_second_run_on_a_busy_output_dir_is_refused(tmp_path, tiny_data, train_h
 
 @pytest.mark.parametrize("case", ["under-a-file", "missing-resume", "resume-folder",
                                   "eval-only-unfit-weights", "weights-is-a-file",
-                                  "eval-only-resume-and-weights"])
+                                  "eval-only-resume-and-weights", "inside-the-data",
+                                  "batch-1-at-32px"])
 def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, train_here):
     out, extra = tmp_path / "out", []
-    if case == "under-a-file":
+    if case == "inside-the-data":  # the rerun would find the run's folder as a class
+        tiny_data = shutil.copytree(tiny_data, tmp_path / "data")
+        out, expect = tiny_data / "run", f"--output-dir {tiny_data / 'run'} is inside the data"
+    elif case == "batch-1-at-32px":  # would fail in the first step's BatchNorm, as a traceback
+        extra, expect = ["--batch-size", "1"], "--batch-size 1 at --img-size 32: the last BatchNorm"
+    elif case == "under-a-file":
         (tmp_path / "file").write_text("x")
         out, expect = tmp_path / "file" / "run", "is (under) a file, not a folder"
     elif case == "missing-resume":
