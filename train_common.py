@@ -433,6 +433,12 @@ def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> 
         log.info("loaded %s; skipped %d tensor(s) that do not fit%s; %d left as initialised%s",
                  args.weights, len(skipped), f" ({', '.join(skipped)})" if skipped else "",
                  len(missing), f" ({', '.join(missing)})" if missing else "")
+        # A new head (another class count) is expected; a backbone left as initialised is not.
+        backbone = [k for k in (*skipped, *missing) if not k.startswith("fc.")]
+        if backbone and info.is_main:
+            log.warning("%d backbone tensor(s) of --model %s were not loaded from %s (e.g. %s): "
+                        "that part trains from scratch; were the weights made for another "
+                        "--model?", len(backbone), args.model, args.weights, backbone[0])
     if args.freeze_layers:
         for name, param in model.named_parameters():
             param.requires_grad_(name.startswith("fc."))
@@ -560,6 +566,10 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
         log.warning("resuming keeps the optimizer of %s: %s; to train with the new value(s), "
                     "start over with --resume none or another --output-dir.", path,
                     ", ".join(kept))
+    if saved.get("batch_size", args.batch_size) != args.batch_size and warn and not args.eval_only:
+        log.warning("%s was trained with --batch-size %s; this run uses %d per process, so the "
+                    "global batch changes and the learning rate is kept.", path,
+                    saved["batch_size"], args.batch_size)
     if saved.get("img_size", args.img_size) != args.img_size and warn:
         log.warning("%s was trained at --img-size %s; this run uses %d%s.", path,
                     saved["img_size"], args.img_size,
@@ -796,7 +806,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         # metrics.jsonl is rebuilt from the checkpoint: each finished epoch exactly once, even
         # if the previous attempt died between appending a line and saving the checkpoint.
         _write_metrics(out / "metrics.jsonl", history)
-    writer = _tensorboard(args, info, out, start_epoch, train_set, classes)
+    writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
+                                       classes)
 
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)
@@ -807,7 +818,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
                 grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
                 print_freq=args.print_freq, channels_last=channels_last,
-                log_fn=_step_logger(writer))
+                log_fn=_step_logger(step_writer))
         except FloatingPointError as exc:  # raised on every rank: the loss is reduced first
             raise RunError(f"{exc} {_START_OVER}") from None
         train_seconds = time.perf_counter() - t0
@@ -858,6 +869,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 writer.flush()
     if writer:
         writer.close()
+        step_writer.close()
 
 
 _START_OVER = ("A resumed run keeps the checkpoint's learning rate: start over with --resume none "
@@ -934,18 +946,27 @@ def _require_tensorboard() -> None:
                           "tensorboard, or pass --no-tensorboard.") from None
 
 
-def _tensorboard(args, info: DistInfo, out: Path, start_epoch: int, train_set, classes):
+def _tensorboard(args, info: DistInfo, out: Path, start_epoch: int, steps_per_epoch: int,
+                 train_set, classes):
+    """(per-epoch writer, per-step writer) on rank 0 with --tensorboard, else (None, None).
+
+    Two writers, because TensorBoard purges every tag of a log from its ``purge_step`` on: one
+    counted in epochs would delete the step curves of every earlier epoch on resume.
+    """
     if not (args.tensorboard and info.is_main):
-        return None
+        return None, None
     from torch.utils.tensorboard import SummaryWriter  # optional extra: imported lazily
     from torchvision.utils import make_grid
 
+    # A resumed run drops what an interrupted epoch logged, then continues the same curves.
     writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start_epoch or None)
+    step_writer = SummaryWriter(log_dir=str(out / "tensorboard" / "steps"),
+                                purge_step=start_epoch * steps_per_epoch or None)
     if start_epoch == 0:
         images = torch.stack([train_set[i][0] for i in range(min(16, len(train_set)))])
         writer.add_image("train_images_augmented", make_grid(images, nrow=8), 0)
         writer.add_text("args", json.dumps(_jsonable(args), indent=2), 0)
-    return writer
+    return writer, step_writer
 
 
 def _confusion_figure(result: EvalResult, classes: list[str]):

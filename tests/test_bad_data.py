@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from conftest import TINY_FLAGS, run, torchrun_cmd
+from model import get_model
 from multi_train_utils.checkpoint import CheckpointError
 from multi_train_utils.distributed_utils import DistInfo
 from my_dataset import IGNORE_INDEX, MyDataSet, check_image, load_image_tensor, load_pil_image
@@ -508,6 +509,20 @@ def test_bad_weights_are_checkpoint_errors(tmp_path, kind, message):
     with pytest.raises(CheckpointError, match=message) as err:
         _build_model(args, DistInfo(), num_classes=3)
     assert str(path) in str(err.value)
+
+
+def test_weights_of_another_model_warn_but_a_new_head_does_not(tmp_path, caplog):
+    path = tmp_path / "resnet18-3classes.pth"
+    torch.save(get_model("resnet18", num_classes=3).state_dict(), path)
+    for model, classes, warned in (("resnet18", 5, False), ("resnet34", 3, True)):
+        caplog.clear()
+        args = get_args_parser().parse_args([*TINY_FLAGS, "--model", model, "--weights", str(path)])
+        with caplog.at_level(logging.INFO):
+            _build_model(args, DistInfo(), num_classes=classes)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(warnings) == warned, (model, warnings)
+    assert f"backbone tensor(s) of --model resnet34 were not loaded from {path}" in warnings[0]
+    assert "were the weights made for another --model?" in warnings[0]
 
 
 # ---------------------------------------------------------------- as users run it

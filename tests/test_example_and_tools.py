@@ -138,7 +138,7 @@ def test_tensorboard_logs_scalars_images_and_confusion_matrix(tb_run):
     acc = EventAccumulator(str(tb_run / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     tags = acc.Tags()
-    for tag in ("loss", "accuracy", "learning_rate", "val_loss", "images_per_sec", "step/loss"):
+    for tag in ("loss", "accuracy", "learning_rate", "val_loss", "images_per_sec"):
         assert tag in tags["scalars"], f"scalar {tag!r} missing; have {tags['scalars']}"
     assert {"train_images_augmented", "confusion_matrix"} <= set(tags["images"])
     # The scalars are the numbers metrics.jsonl recorded for the same epoch.
@@ -147,10 +147,33 @@ def test_tensorboard_logs_scalars_images_and_confusion_matrix(tb_run):
                      ("learning_rate", "lr")):
         (event,) = acc.Scalars(tag)
         assert event.step == 0 and event.value == pytest.approx(record[key], rel=1e-4, abs=1e-6)
-    step_losses = acc.Scalars("step/loss")
+    step_losses = _scalars(tb_run / "tensorboard" / "steps", "step/loss")
     assert len(step_losses) >= 2 and all(e.value > 0 for e in step_losses)
     (image,) = acc.Images("confusion_matrix")
     assert image.width > 50 and image.height > 50
+
+
+def _scalars(logdir: Path, tag: str) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc.Scalars(tag)
+
+
+def test_resumed_run_continues_every_tensorboard_curve(tb_run, tiny_data, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(tb_run, out)
+    first = [e.step for e in _scalars(out / "tensorboard" / "steps", "step/loss")]
+    res = run([sys.executable, "train_multi_gpu_using_launch.py", *TINY_FLAGS, "--tensorboard",
+               "--data-path", str(tiny_data), "--epochs", "2", "--output-dir", str(out)],
+              timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [e.step for e in _scalars(out / "tensorboard", "loss")] == [0, 1]
+    # The steps of epoch 0 survive the resume (an epoch-counted purge used to delete them).
+    steps = [e.step for e in _scalars(out / "tensorboard" / "steps", "step/loss")]
+    assert steps[:len(first)] == first and len(steps) == 2 * len(first), (first, steps)
+    assert steps == sorted(set(steps))
 
 
 def test_eval_only_reports_accuracy_without_training(tb_run, tiny_data, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import multiprocessing
 import os
 import re
 import stat
@@ -320,12 +321,18 @@ def test_spawn_node_rank_sets_global_ranks(monkeypatch):
     _clear_env(monkeypatch, LAUNCH_VARS)
     seen = []
     monkeypatch.setattr(spawn, "train", lambda args: seen.append(
-        {k: os.environ[k] for k in LAUNCH_VARS}))
+        {**{k: os.environ[k] for k in LAUNCH_VARS}, "start": multiprocessing.get_start_method()}))
     args = spawn.get_args_parser().parse_args(["--nnodes", "2", "--node-rank", "1"])
-    for local_rank in range(2):
-        spawn._worker(local_rank, args, 2, "10.1.2.3", 29400)
+    default = multiprocessing.get_all_start_methods()[0]
+    try:
+        for local_rank in range(2):
+            multiprocessing.set_start_method("spawn", force=True)  # as a spawned rank has it
+            spawn._worker(local_rank, args, 2, "10.1.2.3", 29400)
+    finally:
+        multiprocessing.set_start_method(default, force=True)
+    # DataLoader workers start the platform's default way (fork on Linux), not by spawn.
     common = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3",
-              "MASTER_PORT": "29400"}
+              "MASTER_PORT": "29400", "start": default}
     assert seen == [{"RANK": "2", "LOCAL_RANK": "0", **common},
                     {"RANK": "3", "LOCAL_RANK": "1", **common}]
 

@@ -645,10 +645,12 @@ def test_resume_warns_that_the_optimizer_keeps_its_lr(run_a, tmp_path, tiny_data
     shutil.copytree(run_a, out)
     saved = load_ckpt(out / "checkpoint.pth")["args"]
     code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1), "--lr", "0.5",
-                                 "--momentum", str(saved["momentum"])))
+                                 "--momentum", str(saved["momentum"]), "--batch-size", "8"))
     assert code == 0, err[-3000:]
     assert (f"resuming keeps the optimizer of {out / 'checkpoint.pth'}: --lr {saved['lr']} "
             "(not 0.5); to train with the new value(s), start over with --resume none") in err
+    assert (f"{out / 'checkpoint.pth'} was trained with --batch-size 4; this run uses 8 per "
+            "process, so the global batch changes and the learning rate is kept.") in err
     assert "--momentum" not in err.split("resuming keeps")[1].splitlines()[0]
 
 
