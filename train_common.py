@@ -39,7 +39,8 @@ from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_am
                                                train_one_epoch)
 from my_dataset import MyDataSet
 from utils import (DataError, default_demo_root, get_transforms, make_demo_data,
-                   plot_class_distribution, scan_image_folder, split_train_val, write_json_atomic)
+                   missing_glyphs_ignored, plot_class_distribution, scan_image_folder,
+                   split_train_val, write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -865,7 +866,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                     if value is not None:
                         writer.add_scalar(tag, value, epoch)
                 if epoch == args.epochs - 1:
-                    writer.add_figure("confusion_matrix", _confusion_figure(result, classes), epoch)
+                    with missing_glyphs_ignored():  # drawn here, with the class names
+                        writer.add_figure("confusion_matrix", _confusion_figure(result, classes),
+                                          epoch)
                 writer.flush()
     if writer:
         writer.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -10,7 +11,8 @@ import random
 import shutil
 import stat
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,6 +261,16 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, 
     return train_p, train_y, val_p, val_y
 
 
+@contextlib.contextmanager
+def missing_glyphs_ignored() -> Iterator[None]:
+    """Class names may be CJK or emoji; matplotlib's default font lacks them and warns once per
+    character per figure, burying real warnings. Only that message is silenced, only inside."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font",
+                                category=UserWarning)
+        yield
+
+
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     """Bar chart of images per class, saved as PNG (headless)."""
     import matplotlib
@@ -273,8 +285,9 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     ax.set_xlabel("image class")
     ax.set_ylabel("number of images")
     ax.set_title("class distribution")
-    fig.tight_layout()
-    fig.savefig(path)
+    with missing_glyphs_ignored():
+        fig.tight_layout()
+        fig.savefig(path)
     plt.close(fig)
     return Path(path)
 

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,18 @@ def test_plot_data_loader_image_saves_same_picture_for_uint8_and_normalised(tmp_
     red = (a[..., 0] > 180) & (a[..., 2] < 60)
     blue = (a[..., 2] > 150) & (a[..., 0] < 60)
     assert red.sum() > 100 and blue.sum() > 100
+
+
+def test_class_names_in_any_script_plot_without_glyph_warnings(tmp_path):
+    from utils import FolderScan, plot_class_distribution
+
+    scan = FolderScan(root=str(tmp_path), classes=["玫瑰", "daisy"], images=[["a"], ["b", "c"]],
+                      skipped=[])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # DejaVu Sans has no CJK: one warning per glyph
+        plot_class_distribution(scan, tmp_path / "classes.png")
+    with Image.open(tmp_path / "classes.png") as img:
+        assert img.format == "PNG"
 
 
 def test_read_split_data_writes_class_indices_and_distribution(tiny_data, tmp_path):
