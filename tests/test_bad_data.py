@@ -312,13 +312,15 @@ def test_split_warns_for_class_without_val_image_and_val_rate_zero_is_empty():
 
 
 def test_build_data_rejects_empty_val_split_and_too_few_images(tmp_path):
-    root = two_class_data(tmp_path / "data", 4)
+    single = two_class_data(tmp_path / "single", 1)  # a class of 1 keeps its image for training
     args = get_args_parser().parse_args(
-        ["--data-path", str(root), *TINY_FLAGS, "--output-dir", str(tmp_path / "out"),
-         "--val-rate", "0"])
+        ["--data-path", str(single), *TINY_FLAGS, "--output-dir", str(tmp_path / "out"),
+         "--val-rate", "0.5"])
     (tmp_path / "out").mkdir()
-    with pytest.raises(DataError, match=r"validation split of .* is empty \(val rate 0.0\)"):
+    with pytest.raises(DataError, match=r"validation split of .* is empty \(val rate 0.5\)"):
         _build_data(args, DistInfo(), tmp_path / "out")
+    root = two_class_data(tmp_path / "data", 4)
+    args.data_path = str(root)
     # 8 images, 2 to val: 6 training images for 2 processes x 4 (single process here, the check
     # only reads world_size; the torchrun test below runs it for real).
     args.val_rate = 0.25
