@@ -491,6 +491,10 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
     path, error = args.resume, None
     if args.resume == "auto":
         path = str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
+        if path is None and _first_save_interrupted(out) and (out / "model_best.pth").is_file():
+            path = str(out / "model_best.pth")  # epoch 0, complete: the same state
+            log.info("the first epoch's save was interrupted before checkpoint.pth; its "
+                     "model_best.pth is complete, so the run continues from it.")
     elif os.path.isdir(path):
         found = [f for f in ("checkpoint.pth", "model_best.pth") if os.path.isfile(Path(path) / f)]
         error = (f"--resume {path} is a folder; give a file"
@@ -585,9 +589,11 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
     """Rank 0, before anything is written: ``out`` is a writable folder that no other run is
     using, and training in it cannot overwrite an earlier run's results.
 
-    The lock (``flock`` on ``<out>/.lock``) stops a second job, e.g. a rerun while orphaned ranks
+    The lock (``lockf`` on ``<out>/.lock``) stops a second job, e.g. a rerun while orphaned ranks
     of a killed launcher still train, from interleaving two runs' checkpoints; the kernel drops
-    it when the process dies, however it dies.
+    it when the process dies, however it dies. A POSIX record lock, not ``flock``: forked
+    DataLoader workers would share a ``flock`` and keep the folder locked after a kill -9 of
+    their rank until they notice and exit.
     """
     global _RUN_LOCK
     try:
@@ -603,27 +609,40 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
         import fcntl  # POSIX; elsewhere the run goes unlocked
 
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # held (lockf may say either)
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
             os.close(fd)
             raise ConfigError(f"another training run (pid {holder}) is using --output-dir {out}; "
                               "wait for it to finish or stop it, or use another --output-dir.")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-    except (ImportError, OSError) as exc:  # no flock (e.g. some network file systems)
+    except (ImportError, OSError) as exc:  # no locking (e.g. some network file systems)
         log.warning("could not lock --output-dir %s (%s); make sure no other run uses it.", out,
                     exc)
     _RUN_LOCK = fd
 
+    # Temp files of saves a kill -9 interrupted (save_atomic, _write_metrics): never read.
+    stale = [*out.glob(".*.tmp"), *(out / "weights").glob(".*.tmp"), out / "metrics.jsonl.tmp"]
+    removed = sum(1 for path in stale if path.is_file() and not path.unlink())
+    if removed:
+        log.info("removed %d temp file(s) of interrupted saves from %s", removed, out)
     checkpoint = out / "checkpoint.pth"
     if checkpoint.exists() and not checkpoint.is_file():
         raise ConfigError(f"{checkpoint} is not a file; move it away or use another --output-dir.")
+    if args.resume == "auto" and _first_save_interrupted(out):
+        # Killed while epoch 0 was saved (checkpoint.pth is written last): not an earlier run.
+        # A complete model_best.pth is that epoch (see _resolve_resume); else it starts over.
+        if not (out / "model_best.pth").is_file():
+            (out / "weights" / "model-0.pth").unlink(missing_ok=True)
+            log.info("%s: the first epoch's save was interrupted; starting that epoch again.",
+                     out)
     earlier = [name for name in ("metrics.jsonl", "model_best.pth")
                if (out / name).is_file() and (out / name).stat().st_size > 0]
     if any((out / "weights").glob("model-*.pth")):
         earlier.append("weights/")
-    if args.resume == "auto" and not checkpoint.exists() and earlier:
+    if (args.resume == "auto" and not checkpoint.exists() and earlier
+            and not _first_save_interrupted(out)):
         best = (f" continue from its best epoch with --resume {out / 'model_best.pth'},"
                 if (out / "model_best.pth").is_file() else "")
         raise CheckpointError(
@@ -641,11 +660,19 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
     weights = out / "weights"
     if weights.exists() and not weights.is_dir():
         raise ConfigError(f"{weights} is not a folder; move it away or use another --output-dir.")
-    # Temp files of saves a kill -9 interrupted (save_atomic, _write_metrics): never read.
-    stale = [*out.glob(".*.tmp"), *(out / "weights").glob(".*.tmp"), out / "metrics.jsonl.tmp"]
-    removed = sum(1 for path in stale if path.is_file() and not path.unlink())
-    if removed:
-        log.info("removed %d temp file(s) of interrupted saves from %s", removed, out)
+
+
+def _first_save_interrupted(out: Path) -> bool:
+    """Whether ``out`` holds only what a run leaves when killed while saving its first epoch.
+
+    A run starts by writing an empty metrics.jsonl; an epoch's save writes weights/model-N.pth,
+    model_best.pth, checkpoint.pth and then the metrics line. So no checkpoint, an empty
+    metrics.jsonl and no weights but model-0.pth mean that no epoch was ever completed here.
+    """
+    metrics = out / "metrics.jsonl"
+    weights = {p.name for p in (out / "weights").glob("model-*.pth")}
+    return (not (out / "checkpoint.pth").exists() and metrics.is_file()
+            and metrics.stat().st_size == 0 and weights <= {"model-0.pth"})
 
 
 def _release_output_dir() -> None:

@@ -538,6 +538,33 @@ def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, 
     assert "last complete checkpoint" not in err
 
 
+@pytest.mark.parametrize("killed_after", ["model_best.pth", "weights/model-0.pth"])
+def test_a_kill_during_the_first_save_does_not_block_the_rerun(killed_after, tmp_path, tiny_data,
+                                                               train_here):
+    """kill -9 while epoch 0 is saved: weights/model-0.pth (and model_best.pth) are written,
+    checkpoint.pth is not, metrics.jsonl is still empty. That is no earlier run to protect."""
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1"))
+    assert code == 0, err[-3000:]
+    epoch0 = load_ckpt(out / "checkpoint.pth")["model"]
+    (out / "checkpoint.pth").rename(out / ".checkpoint.pth.k1ll3d.tmp")  # the write in flight
+    (out / "metrics.jsonl").write_text("")
+    if killed_after == "weights/model-0.pth":
+        (out / "model_best.pth").unlink()
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))  # the same command again
+    assert code == 0, err[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
+    assert not list(out.glob(".*.tmp"))
+    if killed_after == "model_best.pth":  # complete: epoch 0 is not trained again
+        assert f"resumed from {out / 'model_best.pth'}: epoch 0 done" in err
+        assert err.count("[epoch ") == 1
+        assert torch.equal(load_ckpt(out / "weights" / "model-0.pth")["conv1.weight"],
+                           epoch0["conv1.weight"])
+    else:
+        assert "the first epoch's save was interrupted; starting that epoch again." in err
+        assert err.count("[epoch ") == 2
+
+
 def test_second_ctrl_c_does_not_wait_for_the_save(train_here):
     """While a checkpoint is written one Ctrl-C (or SIGTERM) waits for it; a second Ctrl-C stops
     at once, e.g. when the save hangs on a dead network mount."""
@@ -1017,22 +1044,65 @@ def test_keep_last_keeps_the_weights_just_saved_not_a_later_epochs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model-3.pth", "model-x.pth"]
 
 
-def test_second_run_on_a_busy_output_dir_is_refused(tmp_path, tiny_data, train_here):
-    import fcntl
+_HOLD_LOCK = textwrap.dedent("""
+    import fcntl, sys, time
+    f = open(sys.argv[1], "w")
+    f.write("4242\\n")
+    f.flush()
+    fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live run holds it
+    print("locked", flush=True)
+    time.sleep(120)
+""")
 
+
+def _lock_is_free(path: Path) -> bool:
+    """Whether another process could take the run lock on ``path`` now."""
+    probe = ("import fcntl, sys\ntry:\n    fcntl.lockf(open(sys.argv[1], 'a'), "
+             "fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n    sys.exit(1)")
+    return subprocess.run([sys.executable, "-c", probe, str(path)]).returncode == 0
+
+
+def test_second_run_on_a_busy_output_dir_is_refused(tmp_path, tiny_data, train_here):
     out = tmp_path / "out"
     out.mkdir()
-    with open(out / ".lock", "w") as holder:  # what a live run holds
-        holder.write("4242\n")
-        holder.flush()
-        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
         code, err = train_here(flags(tiny_data, out, "--epochs", "1"))
+    finally:
+        holder.kill()
+        holder.wait()
     assert code == 2, err[-3000:]
     assert f"another training run (pid 4242) is using --output-dir {out}" in err
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
     code, err = train_here(flags(tiny_data, out, "--epochs", "1"))  # the lock died with it
     assert code == 0, err[-3000:]
     assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_the_run_lock_dies_with_the_run_not_with_its_forked_children(tmp_path):
+    """DataLoader workers are forked from the rank: after a kill -9 of the rank they may live on
+    for seconds, and a lock they inherited would refuse the immediate rerun."""
+    import train_common
+
+    out = tmp_path / "out"
+    args = train_common.get_args_parser().parse_args(["--output-dir", str(out)])
+    train_common._claim_output_dir(args, out)
+    try:
+        assert not _lock_is_free(out / ".lock")
+        child = os.fork()
+        if child == 0:  # a DataLoader worker, still alive when its rank is gone
+            time.sleep(30)
+            os._exit(0)
+        try:
+            train_common._release_output_dir()  # the rank dies (its descriptors close)
+            assert _lock_is_free(out / ".lock")
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+    finally:
+        train_common._release_output_dir()
 
 
 @pytest.mark.parametrize("case", ["under-a-file", "missing-resume", "resume-folder",
