@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,7 @@ from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, ex
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, LaunchError,
                                                  all_gather_object, all_ranks_ok,
                                                  broadcast_object, cleanup, init_distributed_mode,
-                                                 register_comm_hook)
+                                                 peer_failure, register_comm_hook)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_amp_dtype,
                                                train_one_epoch)
@@ -274,18 +275,21 @@ def _expect_worker_deaths() -> None:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
 
-def die_with_launcher() -> None:
+def die_with_launcher(launcher_pid: int | None = None) -> None:
     """Under a launcher (torchrun, our spawn launcher), SIGTERM this rank when the launcher dies.
 
     A launcher killed with SIGKILL cannot stop its ranks: they would train on as orphans, and a
-    rerun of the same command would share the output folder with them. Linux only (prctl); not
-    for a plain ``python`` run, which must outlive its shell under nohup.
+    rerun of the same command would share the output folder with them. ``launcher_pid`` is the
+    parent's pid read before this process spent seconds importing torch: a launcher that died
+    meanwhile has already handed this rank to init (or a subreaper), so the request would come
+    too late and only the pid shows it. Linux only (prctl); not for a plain ``python`` run,
+    which must outlive its shell under nohup.
     """
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
-    parent = os.getppid()
+    parent = os.getppid() if launcher_pid is None else launcher_pid
     pr_set_pdeathsig = 1  # <linux/prctl.h>
     if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
         return
@@ -293,19 +297,29 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def train(args: argparse.Namespace) -> None:
-    """Run one training process to the end; exits with 2 on a user error, 130/143 on a signal.
+def _exit_at_once(signum: int, frame: Any) -> None:
+    # The run is already stopping (or done): a second signal, e.g. torchrun's SIGTERM to the
+    # whole group or the launcher's death signal, must not turn the clean-up into a traceback.
+    os._exit(128 + signum)
+
+
+def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
+    """Run one training process to the end; exits with 2 on a user error, 130/143 on a signal,
+    1 when another process of the run died or hung.
 
     Every rank raises the same user error (data is checked on rank 0 and the verdict broadcast),
-    so no rank is left waiting in a collective.
+    so no rank is left waiting in a collective. ``launcher_pid``: torchrun's pid as read when
+    the script started (see :func:`die_with_launcher`).
     """
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun / torch.distributed.launch
+        die_with_launcher(launcher_pid)  # before the handlers: an orphan just dies, silently
+    saved_handlers = {signum: signal.getsignal(signum)
+                      for signum in (signal.SIGINT, signal.SIGTERM)}
     # SIGTERM (torchrun, SLURM, the spawn launcher, `kill`) unwinds like Ctrl-C: finally-blocks
     # run, the process group is destroyed and DataLoader workers are shut down.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup &)
         signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun / torch.distributed.launch
-        die_with_launcher()
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
     info = None
     try:
@@ -319,6 +333,7 @@ def train(args: argparse.Namespace) -> None:
             log.error("error: %s", exc)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt as exc:
+        _quiet_second_signal()
         _expect_worker_deaths()
         signame = str(exc) or "SIGINT"
         if (info is None or info.is_main) and args.eval_only:
@@ -331,9 +346,29 @@ def train(args: argparse.Namespace) -> None:
                 log.error("interrupted by %s before the first epoch was saved; run the same "
                           "command again to start.", signame)
         sys.exit(143 if signame == "SIGTERM" else 130)
+    except RuntimeError as exc:
+        reason = peer_failure(exc) if info is not None and info.distributed else None
+        if reason is None:
+            raise
+        _quiet_second_signal()
+        log.error("error: lost contact with the other processes of the run (%s); usually one of "
+                  "them died or hung - its own output says why. Run the same command again: it "
+                  "continues from %s.", reason, "the last complete checkpoint in "
+                  f"{args.output_dir}" if (Path(args.output_dir) / "checkpoint.pth").is_file()
+                  else "the start")
+        sys.exit(1)
     finally:
+        _quiet_second_signal()
         cleanup()
         _release_output_dir()
+        for signum, handler in saved_handlers.items():  # train() may be called again
+            signal.signal(signum, handler)
+
+
+def _quiet_second_signal() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _exit_at_once)
 
 
 def _seed_everything(seed: int, rank: int) -> None:
@@ -410,15 +445,38 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
     return scan, train_set, val_set, train_sampler, train_loader, val_loader
 
 
+@contextlib.contextmanager
+def _writing_in(out: Path) -> Iterator[None]:
+    """Rank 0's run files (not the epoch saves): an OSError becomes one line with the fix."""
+    try:
+        yield
+    except OSError as exc:  # read-only mount, permissions, quota, full disk
+        raise RunError(f"could not write {exc.filename or out}: {exc.strerror or exc}; fix "
+                       f"--output-dir {out} (permissions, space), then run the same command "
+                       "again.") from None
+
+
 def _write_run_files(out: Path, scan) -> None:
     """Rank 0, once the run is known to be valid: what the data scan found, kept with the run."""
-    skipped = out / "skipped_files.txt"
-    if scan.skipped:  # nothing is lost silently: the full list stays with the run
-        skipped.write_text("".join(f"{p}\t{why}\n" for p, why in scan.skipped), encoding="utf-8")
-    else:
-        skipped.unlink(missing_ok=True)  # a list from an earlier scan would mislead
-    write_json_atomic(out / "class_indices.json", {str(i): c for i, c in enumerate(scan.classes)})
-    plot_class_distribution(scan, out / "class_distribution.png")
+    with _writing_in(out):
+        skipped = out / "skipped_files.txt"
+        if scan.skipped:  # nothing is lost silently: the full list stays with the run
+            skipped.write_text("".join(f"{p}\t{why}\n" for p, why in scan.skipped),
+                               encoding="utf-8")
+        else:
+            skipped.unlink(missing_ok=True)  # a list from an earlier scan would mislead
+        write_json_atomic(out / "class_indices.json",
+                          {str(i): c for i, c in enumerate(scan.classes)})
+        plot_class_distribution(scan, out / "class_distribution.png")
+
+
+def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[str, Any]]) -> None:
+    """Rank 0, before the first epoch of this attempt: args.json and the metrics so far."""
+    with _writing_in(out):
+        write_json_atomic(out / "args.json", run_args)
+        # metrics.jsonl is rebuilt from the checkpoint: each finished epoch exactly once, even
+        # if the previous attempt died between appending a line and saving the checkpoint.
+        _write_metrics(out / "metrics.jsonl", history)
 
 
 def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> nn.Module:
@@ -621,6 +679,11 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
         log.warning("could not lock --output-dir %s (%s); make sure no other run uses it.", out,
                     exc)
     _RUN_LOCK = fd
+    try:  # e.g. a read-only folder whose .lock a writable earlier run left: found now, not later
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot write to --output-dir {out}: {exc.strerror}; choose a folder "
+                          "you can write to.") from None
 
     # Temp files of saves a kill -9 interrupted (save_atomic, _write_metrics): never read.
     stale = [*out.glob(".*.tmp"), *(out / "weights").glob(".*.tmp"), out / "metrics.jsonl.tmp"]
@@ -741,8 +804,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                   f"{unfit[0]}); resume with the model and data it was trained "
                                   "on, or use another --output-dir.")
         model.load_state_dict(state)
-    if info.is_main and not args.eval_only:
-        _write_run_files(out, scan)
+    if not args.eval_only:
+        _check_on_rank0(_write_run_files, out, scan, info=info)
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     model_without_ddp = model
@@ -828,12 +891,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
                  start_epoch - 1, args.epochs)
         return
-    if info.is_main:
-        write_json_atomic(out / "args.json", _jsonable(args, world_size=info.world_size,
-                                                       backend=info.backend, device=str(device)))
-        # metrics.jsonl is rebuilt from the checkpoint: each finished epoch exactly once, even
-        # if the previous attempt died between appending a line and saving the checkpoint.
-        _write_metrics(out / "metrics.jsonl", history)
+    _check_on_rank0(_write_start_files, out, _jsonable(args, world_size=info.world_size,
+                    backend=info.backend, device=str(device)), history, info=info)
     writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
                                        classes)
 

@@ -15,9 +15,14 @@ worker in ``train_common.py``.
 """
 
 import argparse
+import os
 
-from train_common import get_args_parser as _common_parser
-from train_common import train
+# Read before importing torch (seconds): a torchrun killed meanwhile must not leave this rank
+# training on as an orphan (train_common.die_with_launcher).
+_LAUNCHER_PID = os.getppid()
+
+from train_common import get_args_parser as _common_parser  # noqa: E402
+from train_common import train  # noqa: E402
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -25,7 +30,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
-    train(args)
+    train(args, launcher_pid=_LAUNCHER_PID)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return _common_parser(add_help=add_help, launcher="spawn")
 
 
-def _worker(local_rank: int, args: argparse.Namespace, nprocs: int, addr: str, port: int) -> None:
+def _worker(local_rank: int, args: argparse.Namespace, nprocs: int, addr: str, port: int,
+            launcher_pid: int) -> None:
     set_launch_env(rank=args.node_rank * nprocs + local_rank, local_rank=local_rank,
                    world_size=args.nnodes * nprocs, master_addr=addr, master_port=port,
                    extra=[("LOCAL_WORLD_SIZE", str(nprocs))])
@@ -42,7 +43,9 @@ def _worker(local_rank: int, args: argparse.Namespace, nprocs: int, addr: str, p
     # re-import torch each (about 7 s apiece on 2 cores, billed to epoch 0); start them the
     # platform's default way, as torchrun's ranks do.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
-    die_with_launcher()
+    # The pid from the launcher itself: this child spent seconds importing torch before it got
+    # here, and a launcher killed meanwhile would go unnoticed by a getppid() read now.
+    die_with_launcher(launcher_pid)
     train(args)
 
 
@@ -112,8 +115,8 @@ def main(args: argparse.Namespace) -> None:
     log.info("starting %d process(es) on node %d/%d, rendezvous at %s:%d", nprocs,
              args.node_rank, args.nnodes, addr, port)
 
-    context = mp.start_processes(_worker, args=(args, nprocs, addr, port), nprocs=nprocs,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(_worker, args=(args, nprocs, addr, port, os.getpid()),
+                                 nprocs=nprocs, join=False, start_method="spawn")
 
     def forward(signum: int, frame: object) -> None:
         # Children get SIGTERM and unwind (checkpoint intact, process group destroyed).

@@ -210,6 +210,26 @@ def cleanup() -> None:
         gc.collect()
 
 
+# What gloo and NCCL say when a peer is gone or stuck (they raise plain RuntimeErrors).
+_PEER_FAILURE = re.compile(r"gloo/|ProcessGroup|NCCL|Connection (closed|reset) by peer|"
+                           r"Timed out waiting .* for (send|recv)", re.IGNORECASE)
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """The short reason if ``exc`` is a collective that failed because another rank died or hung
+    (e.g. ``"Connection reset by peer"``), else None.
+
+    The raw message starts with a C++ source path and ends with advice that sends the user to
+    "the logs of the remote worker"; the middle is what matters.
+    """
+    text = str(exc)
+    if not isinstance(exc, getattr(dist, "DistError", ())) and not _PEER_FAILURE.search(text):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", first)
+    return first.split(" This is typically")[0].rstrip(". ")[:240]
+
+
 def is_dist_avail_and_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

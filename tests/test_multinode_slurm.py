@@ -309,6 +309,25 @@ def test_malformed_dist_url_is_one_sentence(slurm_env, url):
         distributed_utils.init_distributed_mode(device="cpu", dist_url=url)
 
 
+@pytest.mark.parametrize("exc, reason", [
+    (RuntimeError("[/src/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+                  "[10.0.0.2]:4488: Connection reset by peer. This is typically caused by a "
+                  "remote worker hanging or bugs in the application."),
+     "Read error [10.0.0.2]:4488: Connection reset by peer"),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                  "waiting 1800000ms for recv operation to complete"),
+     "Timed out waiting 1800000ms for recv operation to complete"),
+    (torch.distributed.DistBackendError("NCCL communicator was aborted on rank 3.\nmore"),
+     "NCCL communicator was aborted on rank 3"),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x512 and 256x5)"), None),
+    (RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed."), None),
+])
+def test_peer_failures_are_told_from_other_errors(exc, reason):
+    # A collective that failed because another rank died gets one line in train(); a bug in the
+    # model or the data keeps its traceback.
+    assert distributed_utils.peer_failure(exc) == reason
+
+
 # ---------------------------------------------------------------- spawn launcher, several nodes
 def test_spawn_node_rank_sets_global_ranks(monkeypatch):
     """``--nnodes 2 --node-rank 1`` with 2 processes per node: ranks 2 and 3 of 4.
@@ -322,12 +341,14 @@ def test_spawn_node_rank_sets_global_ranks(monkeypatch):
     seen = []
     monkeypatch.setattr(spawn, "train", lambda args: seen.append(
         {**{k: os.environ[k] for k in LAUNCH_VARS}, "start": multiprocessing.get_start_method()}))
+    watched = []  # the launcher's pid, passed in: read in the child it could be init's already
+    monkeypatch.setattr(spawn, "die_with_launcher", watched.append)
     args = spawn.get_args_parser().parse_args(["--nnodes", "2", "--node-rank", "1"])
     default = multiprocessing.get_all_start_methods()[0]
     try:
         for local_rank in range(2):
             multiprocessing.set_start_method("spawn", force=True)  # as a spawned rank has it
-            spawn._worker(local_rank, args, 2, "10.1.2.3", 29400)
+            spawn._worker(local_rank, args, 2, "10.1.2.3", 29400, 4242)
     finally:
         multiprocessing.set_start_method(default, force=True)
     # DataLoader workers start the platform's default way (fork on Linux), not by spawn.
@@ -335,6 +356,7 @@ def test_spawn_node_rank_sets_global_ranks(monkeypatch):
               "MASTER_PORT": "29400", "start": default}
     assert seen == [{"RANK": "2", "LOCAL_RANK": "0", **common},
                     {"RANK": "3", "LOCAL_RANK": "1", **common}]
+    assert watched == [4242, 4242]
 
 
 def _must_not_start(*args, **kwargs):

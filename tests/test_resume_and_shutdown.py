@@ -981,6 +981,61 @@ def test_a_rank_waiting_for_its_peers_stops_on_a_signal(signum, tmp_path, tiny_d
     assert not (tmp_path / "out").exists()  # nothing was started, so nothing is lost
 
 
+@pytest.mark.parametrize("peer", ["killed", "stopped"])
+def test_a_lost_peer_is_one_line_and_the_rerun_continues(peer, tmp_path, tiny_data, launched):
+    """Two ranks started by hand (as on two machines, where no launcher stops the survivor): rank
+    1 is killed, or stopped (SIGSTOP: a hung machine), after epoch 0. Rank 0 must say in one
+    line what happened and how to go on, not print gloo's C++ traceback."""
+    out, port = tmp_path / "out", str(find_free_port())
+    argv = [sys.executable, LAUNCH, *flags(tiny_data, out, "--epochs", "50", "--dist-timeout",
+                                           "10")]
+    env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    rank0 = launched(argv, RANK="0", LOCAL_RANK="0", **env)
+    rank1 = launched(argv, RANK="1", LOCAL_RANK="1", **env)
+    rank0.wait_for(epochs_done(out, 1), "epoch 0")
+    time.sleep(0.5)  # into epoch 1
+    rank1.proc.send_signal(signal.SIGKILL if peer == "killed" else signal.SIGSTOP)
+    try:
+        rank0.proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        rank0.fail(f"rank 0 still running 90 s after its peer was {peer}")
+    output = rank0.output()
+    assert rank0.proc.returncode == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1, output[-3000:]
+    reason = {"killed": "Connection (closed|reset) by peer",
+              "stopped": "Timed out waiting 10000ms"}[peer]
+    assert re.search(rf"lost contact with the other processes of the run \([^)]*{reason}",
+                     errors[0]), errors[0]
+    assert f"it continues from the last complete checkpoint in {out}." in errors[0]
+    assert load_ckpt(out / "checkpoint.pth")["epoch"] >= 0
+
+
+def test_a_second_signal_during_the_clean_up_is_no_traceback(tmp_path):
+    """torchrun signals a stopping rank again (its group, then the launcher's death signal): a
+    signal that arrives while the rank is already stopping ends it quietly."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        import train_common
+        from train_multi_gpu_using_launch import get_args_parser
+        def run(args, info):
+            raise KeyboardInterrupt("SIGTERM")  # the first signal, inside training
+        def cleanup():
+            os.kill(os.getpid(), signal.SIGTERM)  # the second one, in the clean-up
+            time.sleep(0.5)
+            print("CLEANUP GOES ON", flush=True)
+        train_common._run, train_common.cleanup = run, cleanup
+        train_common.train(get_args_parser().parse_args(sys.argv[1:]))
+    """)
+    result = run([sys.executable, "-c", script, "--device", "cpu", "--output-dir",
+                  str(tmp_path / "out"), "--eval-only"], timeout=120, PYTHONPATH=str(ROOT))
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert "interrupted by SIGTERM." in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "CLEANUP GOES ON" not in result.stdout  # ended at once, not raised into the clean-up
+
+
 # ---------------------------------------------------------------- 6. the output folder is guarded
 def test_earlier_run_without_checkpoint_is_never_overwritten(run_a, tmp_path, tiny_data,
                                                              train_here):
@@ -1143,6 +1198,41 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("where", ["folder", "run-files", "args"])
+def test_an_unwritable_output_dir_is_one_line(where, tmp_path, tiny_data, train_here,
+                                              monkeypatch):
+    """A read-only mount (or another owner's folder) fails in the up-front probe; a file that
+    cannot be written later (quota, permissions of one file) is one line too, not a traceback.
+    (Injected: this suite may run as root, who writes into read-only folders.)"""
+    import train_common
+
+    out = tmp_path / "out"
+    if where == "folder":
+        def probe(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr(train_common.tempfile, "TemporaryFile", probe)
+        expect = f"cannot write to --output-dir {out}: Read-only file system"
+    else:
+        target = "plot_class_distribution" if where == "run-files" else "write_json_atomic"
+        name = "class_distribution.png" if where == "run-files" else "args.json"
+
+        def refuse(*args):
+            path = next(a for a in args if isinstance(a, (str, os.PathLike)))
+            if Path(path).name == name:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real(*args)
+        real = getattr(train_common, target)
+        monkeypatch.setattr(train_common, target, refuse)
+        expect = (f"could not write {out / name}: Permission denied; fix --output-dir {out} "
+                  "(permissions, space), then run the same command again.")
+    code, err = train_here(flags(tiny_data, out))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and expect in errors[0], err[-3000:]
+    assert "Traceback" not in err
+    assert not (out / "checkpoint.pth").exists() and not list(out.glob("weights/*"))
+
+
 def test_missing_tensorboard_is_one_line_before_the_data_is_read(tmp_path, tiny_data, train_here,
                                                                monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
@@ -1183,15 +1273,23 @@ def test_resume_on_another_world_size_rescales_the_lr(run_a, tmp_path, tiny_data
     assert ckpt.stat().st_mode & 0o777 == 0o666 & ~umask  # readable by the team, as open() makes
 
 
+@pytest.mark.parametrize("when", ["start-up", "training"])
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_ranks_stop_when_their_launcher_is_killed(launcher, tmp_path, tiny_data, launched):
+def test_ranks_stop_when_their_launcher_is_killed(launcher, when, tmp_path, tiny_data, launched):
+    """kill -9 of the launcher: its ranks must not train on as orphans, whether they were
+    training or still importing torch (seconds, before they can ask to die with it)."""
     out = tmp_path / "out"
     argv = flags(tiny_data, out, "--epochs", "50")
     cmd = (torchrun_cmd(2, LAUNCH, *argv) if launcher == "torchrun" else
            [sys.executable, "train_multi_gpu_using_spawn.py", "--world-size", "2", *argv])
     tree = launched(cmd)
-    tree.wait_for(epochs_done(out, 1), "the first epoch")
-    ranks = [pid for pid in tree.children() if pid]
+    if when == "training":
+        tree.wait_for(epochs_done(out, 1), "the first epoch")
+        ranks = tree.children()
+    else:  # the moment both ranks exist: they are still importing torch
+        starting = tree.children if launcher == "torchrun" else lambda: _spawn_children(tree)
+        tree.wait_for(lambda: len(starting()) >= 2, "two ranks")
+        ranks = starting()
     assert ranks, tree.output()[-2000:]
     os.kill(tree.proc.pid, signal.SIGKILL)  # no chance to stop its ranks itself
     tree.wait_all_gone(60)  # no orphan trains on (fails with the survivors' pids)
