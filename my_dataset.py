@@ -4,7 +4,8 @@ Two decoders:
 
 - ``decoder="tensor"`` (what the training scripts use): bytes are decoded by ``torchvision.io``
   into ``uint8 (3, H, W)`` and augmented by ``transforms.v2`` on uint8; normalisation happens later
-  on the device. About 1.6-1.8x the template's PIL throughput per worker (see ``benchmark.py``).
+  on the device. About 2x the template's PIL throughput per worker (``benchmark.py``; README,
+  "Speed").
 - ``decoder="pil"`` (the classic template's contract): ``transform`` receives an RGB PIL image.
 
 Either way EXIF orientation is applied, grayscale/palette/RGBA/CMYK/16-bit and 32-bit int/float

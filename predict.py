@@ -3,11 +3,11 @@
 Give it any checkpoint the training run left behind::
 
     # full checkpoint: the class names, architecture and image size are all read from it
-    python predict.py --weights output/model_best.pth tulip.jpg
+    python predict.py --weights runs/train/model_best.pth tulip.jpg
 
     # bare per-epoch state dict: class names come from the run's class_indices.json, architecture
     # and image size from its args.json; folders mean "every image below" (hidden ones skipped)
-    python predict.py --weights output/weights/model-29.pth photos/ more.png
+    python predict.py --weights runs/train/weights/model-29.pth photos/ more.png
 
 A full checkpoint (``checkpoint.pth``, ``model_best.pth``) carries the class list it was trained
 on, so it works copied anywhere on its own. Bare weights need ``--class-indices``, which may be
@@ -24,8 +24,8 @@ From Python::
 
     from predict import load_checkpoint_with_classes, build_model, predict
 
-    state_dict, train_args, class_names = load_checkpoint_with_classes("output/model_best.pth")
-    # bare weights: class_names is None; use load_class_names("output/class_indices.json")
+    state_dict, train_args, class_names = load_checkpoint_with_classes("runs/train/model_best.pth")
+    # bare weights: class_names is None; use load_class_names("runs/train/class_indices.json")
     model = build_model(train_args.get("model", "resnet34"), state_dict, len(class_names))
     for p in predict(model, ["tulip.jpg"], class_names, img_size=224, device="cpu", top_k=3):
         print(p.path, p.top_k)

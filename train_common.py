@@ -347,10 +347,15 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
                           "command again to start.", signame)
         sys.exit(143 if signame == "SIGTERM" else 130)
     except RuntimeError as exc:
-        reason = peer_failure(exc) if info is not None and info.distributed else None
+        reason = peer_failure(exc) if info is None or info.distributed else None
         if reason is None:
             raise
         _quiet_second_signal()
+        if info is None:  # the rendezvous: some rank never came, or cannot reach rank 0
+            log.error("error: the processes of the run did not all meet (%s); start every rank "
+                      "with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE, reachable from all "
+                      "(inside a SLURM allocation: start them with srun).", reason)
+            sys.exit(1)
         log.error("error: lost contact with the other processes of the run (%s); usually one of "
                   "them died or hung - its own output says why. Run the same command again: it "
                   "continues from %s.", reason, "the last complete checkpoint in "

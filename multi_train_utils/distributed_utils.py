@@ -42,7 +42,7 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits in the job. Read it; never mutate ``args`` with it."""
+    """Where this process sits in the job (our code reads this, not attributes of ``args``)."""
 
     rank: int = 0
     local_rank: int = 0
@@ -167,14 +167,28 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     """Create the default process group if a launcher started us; return where we are.
 
     ``args`` (optional, as in the classic template) supplies ``device``, ``dist_url`` and
-    ``dist_timeout`` when the keywords are not given; it is only read. Backend follows the
-    device: NCCL for CUDA, gloo for CPU. ``timeout_s`` bounds every collective, so a dead peer
-    ends in an error instead of a silent hang.
+    ``dist_timeout`` when the keywords are not given. Backend follows the device: NCCL for CUDA,
+    gloo for CPU. ``timeout_s`` bounds every collective, so a dead peer ends in an error instead
+    of a silent hang.
+
+    Scripts written for the classic template call ``init_distributed_mode(args)`` and then read
+    ``args.rank``, ``args.world_size``, ``args.gpu``, ``args.distributed`` and
+    ``args.dist_backend``: given ``args``, those are set as it did (``args.gpu`` is the local
+    rank). New code reads the returned :class:`DistInfo` instead and passes no ``args``.
     """
     device = device or getattr(args, "device", None) or "auto"
     dist_url = dist_url or getattr(args, "dist_url", None) or "env://"
     timeout_s = timeout_s or getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S
+    info = _init(device, dist_url, timeout_s)
+    if args is not None:
+        for name, value in (("rank", info.rank), ("world_size", info.world_size),
+                            ("gpu", info.local_rank), ("distributed", info.distributed),
+                            ("dist_backend", info.backend)):
+            setattr(args, name, value)
+    return info
 
+
+def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
     env = _read_env()
     if env is None:
         return DistInfo(device=_pick_device(device, 0))

@@ -8,6 +8,7 @@ the job and a digest of its weights after every evaluation, to show the ranks st
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import inspect
 import json
@@ -298,6 +299,17 @@ def test_broken_launch_environment_is_one_sentence(slurm_env, env, message):
         slurm_env.setenv(key, value)
     with pytest.raises(distributed_utils.LaunchError, match=re.escape(message)):
         distributed_utils.init_distributed_mode(device="cpu")
+
+
+def test_classic_call_sets_the_attributes_classic_scripts_read(slurm_env):
+    # The classic template's init_distributed_mode(args) set these; copied scripts read them
+    # (device_ids=[args.gpu], args.lr *= args.world_size). The 2-rank case: test_dist_timeout_*.
+    args = argparse.Namespace(device="cpu")
+    info = distributed_utils.init_distributed_mode(args)
+    assert (args.rank, args.world_size, args.gpu, args.distributed, args.dist_backend) == \
+        (0, 1, 0, False, None)
+    assert info == distributed_utils.DistInfo()
+    assert distributed_utils.init_distributed_mode(device="cpu") == info  # new code: no args
 
 
 @pytest.mark.parametrize("url", ["tcp://127.0.0.1", "127.0.0.1:29500", "tcp://host:99999"])

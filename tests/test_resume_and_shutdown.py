@@ -930,8 +930,10 @@ _PEER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from multi_train_utils.distributed_utils import init_distributed_mode
-    info = init_distributed_mode(argparse.Namespace(device="cpu", dist_url="env://",
-                                                    dist_timeout=float(sys.argv[1])))
+    args = argparse.Namespace(device="cpu", dist_url="env://", dist_timeout=float(sys.argv[1]))
+    info = init_distributed_mode(args)  # the classic call: it also sets what classic code reads
+    assert (args.rank, args.world_size, args.gpu, args.distributed, args.dist_backend) == \
+        (info.rank, 2, info.local_rank, True, "gloo"), vars(args)
     if info.rank == 1:
         time.sleep(120)  # stuck: never joins the collective
         sys.exit(0)
@@ -960,6 +962,22 @@ def test_dist_timeout_turns_a_stuck_peer_into_an_error(tmp_path, launched):
     assert "timed out" in output.lower() or "timeout" in output.lower(), output[-3000:]
     assert rank1.proc.poll() is None  # the peer really was still there, just not participating
 
+
+
+def test_peers_that_never_come_are_one_line_after_the_timeout(tmp_path, tiny_data):
+    """E.g. a SLURM batch script without srun: rank 0 of 2 waits --dist-timeout, then says what
+    to check instead of printing the store's traceback."""
+    result = run([sys.executable, LAUNCH, *flags(tiny_data, tmp_path / "out"), "--dist-timeout",
+                  "3"], timeout=120, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "the processes of the run did not all meet (Timed out after" in errors[0]
+    assert ("1/2 clients joined); start every rank with the same MASTER_ADDR/MASTER_PORT"
+            in errors[0])
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
