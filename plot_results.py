@@ -118,8 +118,10 @@ def default_label(run_dir: str | Path) -> str:
     world_size = run_args.get("world_size")
     if _is_number(world_size):
         parts.append(f"{int(world_size)} proc" + ("s" if world_size != 1 else ""))
-    # Training accepts both spellings of the flag, so args.json may hold either.
-    if run_args.get("sync_bn") is True or run_args.get("syncBN") is True:
+    # Training accepts both spellings of the flag, so args.json may hold either. One process
+    # has nothing to synchronise with: the flag does nothing there.
+    one_process = _is_number(world_size) and world_size == 1
+    if (run_args.get("sync_bn") is True or run_args.get("syncBN") is True) and not one_process:
         parts.append("syncBN")
     if run_args.get("amp") is True:
         parts.append("AMP")

@@ -106,6 +106,7 @@ POSITIVE_INT = _number(int, 1, "a whole number of at least 1")
 COUNT = _number(int, 0, "a whole number of at least 0")
 POSITIVE = _number(float, math.ulp(0.0), "greater than 0")
 NON_NEGATIVE = _number(float, 0.0, "at least 0")
+SEED = _number(int, 0, "a whole number from 0 to 2**32 - 1 (numpy's seed range)", below=2**32)
 FRACTION = _number(float, math.ulp(0.0), "above 0 and below 1 (training validates every epoch)",
                    below=1.0)
 
@@ -202,7 +203,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                      help="keep only the newest K weights/model-{epoch}.pth (0: keep all)")
     run.add_argument("--eval-only", action=BoolFlag, default=False,
                      help="evaluate the resumed/--weights model and exit")
-    run.add_argument("--seed", type=int, default=0, help="data split, shuffling and init")
+    run.add_argument("--seed", type=SEED, default=0, help="data split, shuffling and init")
     run.add_argument("--print-freq", type=POSITIVE_INT, default=50,
                      help="reduce and show the running loss every N steps")
     run.add_argument("--tensorboard", action=BoolFlag, default=True,
@@ -378,9 +379,10 @@ def _quiet_second_signal() -> None:
 
 def _seed_everything(seed: int, rank: int) -> None:
     # seed + rank: ranks must not draw identical random numbers (e.g. dropout masks).
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
+    seed = (seed + rank) % 2**32  # numpy takes no larger seed: the top ranks wrap around
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _scan_on_rank0(root: str, verify: bool, info: DistInfo):
@@ -475,9 +477,25 @@ def _write_run_files(out: Path, scan) -> None:
         plot_class_distribution(scan, out / "class_distribution.png")
 
 
-def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[str, Any]]) -> None:
-    """Rank 0, before the first epoch of this attempt: args.json and the metrics so far."""
+def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[str, Any]],
+                       fresh: bool) -> None:
+    """Rank 0, before the first epoch of this attempt: args.json and the metrics so far.
+
+    ``fresh``: no checkpoint is continued (``--resume none``, or nothing to resume), so what an
+    earlier run left here goes now, when this one is known to start: its later epochs' weights
+    would otherwise sit beside this run's, its best model would compete with them, and its
+    TensorBoard curves would be drawn into this run's.
+    """
     with _writing_in(out):
+        if fresh:
+            stale = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
+                                 *(out / "weights").glob("model-*.pth")) if p.is_file()]
+            events = sorted((out / "tensorboard").rglob("events.out.tfevents.*"))
+            for path in stale + events:
+                path.unlink()
+            if stale or events:
+                log.info("starting afresh in %s: removed the earlier run's %d checkpoint/weight "
+                         "file(s) and %d TensorBoard log(s)", out, len(stale), len(events))
         write_json_atomic(out / "args.json", run_args)
         # metrics.jsonl is rebuilt from the checkpoint: each finished epoch exactly once, even
         # if the previous attempt died between appending a line and saving the checkpoint.
@@ -589,10 +607,24 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
                            "starts over)")
         options.append("--resume none to start over")
         raise CheckpointError(f"{exc} Continue with {', or '.join(options)}.") from exc
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "epoch" not in ckpt:
+    if not _is_checkpoint(ckpt):
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model'/'epoch'); to start "
                               "from bare weights use --weights instead of --resume.")
+    _check_checkpoint(ckpt, path, args, classes, warn=warn)
+    return ckpt
+
+
+def _is_checkpoint(obj: Any) -> bool:
+    return isinstance(obj, dict) and "model" in obj and "epoch" in obj
+
+
+def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
+                      classes: list[str], *, warn: bool) -> None:
+    """Refuse what cannot go on from ``ckpt`` (another model, other classes, ...); warn of the
+    rest."""
     saved = ckpt.get("args", {})
+    redo = ("evaluate it on the data it was trained on" if args.eval_only else
+            "resume with the data it was trained on, or use another --output-dir")
     if "model" in saved and saved["model"] != args.model:
         raise CheckpointError(f"{path} was trained with --model {saved['model']} but this run has "
                               f"--model {args.model}; use a matching --model or another "
@@ -602,12 +634,11 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
     if trained_on is not None and list(trained_on) != list(classes):
         diff = sorted(set(trained_on) ^ set(classes)) or ["same names, other order"]
         raise CheckpointError(f"{path} was trained on the classes {', '.join(trained_on)} but "
-                              f"the data has {', '.join(classes)} ({', '.join(diff)}); resume "
-                              "with the data it was trained on, or use another --output-dir.")
+                              f"the data has {', '.join(classes)} ({', '.join(diff)}), so its "
+                              f"labels would be wrong; {redo}.")
     if trained_on is None and saved.get("num_classes", len(classes)) != len(classes):
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
-                              f"has {len(classes)}; resume with the data it was trained on, or "
-                              "use another --output-dir.")
+                              f"has {len(classes)}; {redo}.")
     # The split is drawn from (seed, val rate): another one would validate on training images.
     redrawn = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
                for k in ("seed", "val_rate") if k in saved and saved[k] != getattr(args, k)]
@@ -630,6 +661,9 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
     kept = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
             for k in ("lr", "momentum", "weight_decay")
             if k in saved and saved[k] != getattr(args, k)]
+    if saved.get("scale_lr", args.scale_lr) != args.scale_lr:  # the lr it holds follows its rule
+        kept.append(f"--{'' if saved['scale_lr'] else 'no-'}scale-lr (not "
+                    f"--{'' if args.scale_lr else 'no-'}scale-lr)")
     if kept and warn and not args.eval_only:
         log.warning("resuming keeps the optimizer of %s: %s; to train with the new value(s), "
                     "start over with --resume none or another --output-dir.", path,
@@ -642,7 +676,6 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
         log.warning("%s was trained at --img-size %s; this run uses %d%s.", path,
                     saved["img_size"], args.img_size,
                     " (pass --img-size to evaluate as trained)" if args.eval_only else "")
-    return ckpt
 
 
 _RUN_LOCK: int | None = None  # rank 0's lock on --output-dir, held until the process exits
@@ -716,7 +749,7 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
         raise CheckpointError(
             f"{out} holds an earlier run ({', '.join(earlier)}) but no checkpoint.pth to "
             f"continue from; use another --output-dir,{best} or start over in it with "
-            "--resume none (its files are overwritten).")
+            "--resume none (its checkpoints, weights and TensorBoard logs are removed).")
     if (args.resume not in ("auto", "none", "", None) and (earlier or checkpoint.exists())
             and Path(args.resume).resolve().parent != out.resolve()):
         # Its checkpoint, metrics and best model would be replaced by the other run's, and
@@ -798,6 +831,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     _check_norm_batch(args, info, model)
     resume_path = _resolve_resume(args, out)
     ckpt = _load_checkpoint(resume_path, args, classes, warn=info.is_main) if resume_path else None
+    if args.eval_only and args.weights and _is_checkpoint(weights := load_file(args.weights)):
+        # A full checkpoint scored through --weights gets the checks --resume would make: its
+        # classes in another order would score every image against the wrong label.
+        _check_checkpoint(weights, args.weights, args, classes, warn=info.is_main)
     if ckpt is not None:
         state, own = extract_state_dict(ckpt, resume_path), model.state_dict()
         # Checkpoints without recorded args (or from edited code) are checked by shape.
@@ -858,10 +895,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             if len(rng) == info.world_size:
                 restore_rng_state(rng[info.rank])
             trained_by = ckpt.get("args", {}).get("world_size", info.world_size)
+            scale_lr = ckpt.get("args", {}).get("scale_lr", args.scale_lr)  # the run's own rule
             # The optimizer comes back with the lr of the saved schedule; recompute it on this
             # run's (another --epochs lays the cosine out anew; another world size rescales it).
-            _rescale_lr(optimizer, scheduler, info.world_size / trained_by if args.scale_lr
-                        else 1.0)
+            _rescale_lr(optimizer, scheduler, info.world_size / trained_by if scale_lr else 1.0)
             planned = ckpt.get("args", {}).get("epochs", args.epochs)
             if planned != args.epochs and ckpt["epoch"] + 1 < args.epochs and info.is_main:
                 log.warning("%s was planned for --epochs %d, this run has %d: the cosine "
@@ -876,8 +913,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                 info.world_size, trained_by * args.batch_size,
                                 info.world_size * args.batch_size,
                                 "the learning rate is rescaled to match (--scale-lr)"
-                                if args.scale_lr else "the learning rate is kept (--no-scale-lr)")
-        if ckpt.get("val_split", val_split) != val_split and info.is_main:
+                                if scale_lr else "the learning rate is kept (--no-scale-lr)")
+        redrawn = any(ckpt.get("args", {}).get(k, getattr(args, k)) != getattr(args, k)
+                      for k in ("seed", "val_rate"))  # eval-only: said above, with that cause
+        if ckpt.get("val_split", val_split) != val_split and info.is_main and not redrawn:
             log.warning("the validation images differ from those %s was validated on (the data "
                         "changed): validation may now include images it trained on, and val "
                         "accuracy is not comparable with earlier epochs.", resume_path)
@@ -897,7 +936,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                  start_epoch - 1, args.epochs)
         return
     _check_on_rank0(_write_start_files, out, _jsonable(args, world_size=info.world_size,
-                    backend=info.backend, device=str(device)), history, info=info)
+                    backend=info.backend, device=str(device)), history, ckpt is None, info=info)
     writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
                                        classes)
 
@@ -929,9 +968,12 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                   "epoch_seconds": round(epoch_seconds, 3),
                   "train_images_per_sec": round(images / train_seconds, 2)}
         history.append(record)
-        # The first epoch is the best so far even at 0 accuracy: model_best.pth always exists.
-        is_best = val_acc > best_acc or not (out / "model_best.pth").is_file()
-        best_acc = max(best_acc, val_acc)
+        # The first epoch here is the best so far even at 0 accuracy (model_best.pth always
+        # exists), also when resumed into a new folder: best_acc is then this file's, not the
+        # other folder's, or a later epoch between the two would never replace it.
+        no_best_yet = not (out / "model_best.pth").is_file()
+        is_best = no_best_yet or val_acc > best_acc
+        best_acc = val_acc if no_best_yet else max(best_acc, val_acc)
         rng_states = all_gather_object(capture_rng_state())
         state = None
         if info.is_main:
@@ -1086,6 +1128,8 @@ def _report_eval(result: EvalResult, classes: list[str]) -> None:
     if result.top5 is not None:
         lines.append(f"top-5 accuracy: {result.top5:.4f}")
     lines.append(f"val loss: {result.loss:.4f}")
-    lines += [f"  {name}: {acc:.4f}" for name, acc in zip(classes, result.per_class_acc)]
+    seen = result.confusion.sum(1).tolist()  # images per true class in the validation split
+    lines += [f"  {name}: {acc:.4f} ({n} images)" if n else f"  {name}: n/a (no images)"
+              for name, acc, n in zip(classes, result.per_class_acc, seen)]
     log.info("\n".join(lines))
 

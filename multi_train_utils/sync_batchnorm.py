@@ -61,14 +61,19 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
             return super().forward(input)
 
         channels = input.shape[1]
+        dims = [d for d in range(input.dim()) if d != 1]
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        # Statistics in float32 even under bf16/fp16 autocast, as torch's BatchNorm keeps them:
+        # 8-bit mantissa sums (and counts: 87808 rounds to 88064) are off by whole units.
+        x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         # Sums are taken around a detached shift (the running mean) so that E[x^2] - E[x]^2 does
         # not cancel catastrophically in float32 when |mean| >> std; variance is shift-invariant.
-        shift = (self.running_mean if self.running_mean is not None
-                 else input.detach().mean(dim=[d for d in range(input.dim()) if d != 1]))
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        centred = input - shift.detach().to(input.dtype).view(shape)
-        dims = [d for d in range(input.dim()) if d != 1]
-        count = torch.full((1,), input.numel() / channels, dtype=input.dtype, device=input.device)
+        # A copy: the graph must not hold running_mean, which is updated in place below (under
+        # torch.compile the backward would find it modified).
+        shift = (self.running_mean.detach().clone() if self.running_mean is not None
+                 else x.detach().mean(dim=dims)).to(x.dtype)
+        centred = x - shift.view(shape)
+        count = torch.full((1,), input.numel() / channels, dtype=x.dtype, device=x.device)
         stats = torch.cat([centred.sum(dims), (centred * centred).sum(dims), count])
         stats = _AllReduceSum.apply(stats, self.process_group)
         total = stats[-1]
@@ -77,7 +82,7 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
                              f"(got {int(total.item())}); use a larger batch.")
         mean_c = stats[:channels] / total
         var = stats[channels:2 * channels] / total - mean_c * mean_c  # biased, for normalising
-        mean = mean_c + shift.detach().to(input.dtype)
+        mean = mean_c + shift
 
         if self.track_running_stats:
             with torch.no_grad():
@@ -88,10 +93,10 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
                 self.running_mean.mul_(1 - momentum).add_(momentum * mean.detach())
                 self.running_var.mul_(1 - momentum).add_(momentum * unbiased.detach())
 
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+        return out.to(input.dtype)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module,

@@ -243,6 +243,56 @@ def test_sync_batchnorm_cpu_equals_full_batch_batchnorm(sizes, dtype, momentum, 
         assert mean_gap > 0.01, f"rank {rank}: per-rank running_mean matches ({mean_gap})"
 
 
+def _syncbn_bf16_worker(rank: int, world: int, x_full: torch.Tensor) -> dict:
+    half = x_full.shape[0] // world
+    sync = SyncBatchNormCPU(BN_CHANNELS)
+    out = sync(x_full[rank * half:(rank + 1) * half])
+    return dict(out=out, state=sync.state_dict())
+
+
+def test_sync_batchnorm_cpu_keeps_float32_statistics_for_bf16_input(tmp_path):
+    """Under --amp the convolutions hand BatchNorm bf16 tensors. Sums (and the count: 7x112x112
+    = 87808 is 88064 in bf16) must be taken in float32, as torch's BatchNorm does: with a channel
+    mean of 10 and std 0.5, bf16 sums cancel to garbage (differences of hundreds)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(14, BN_CHANNELS, 112, 112, generator=gen) * 0.5 + 10).to(torch.bfloat16)
+    per_rank = run_ranks(_syncbn_bf16_worker, 2, tmp_path, x)
+    ref = nn.BatchNorm2d(BN_CHANNELS)
+    want = ref(x.float())  # float32 BatchNorm on the same bf16 values, whole batch
+    for rank, got in enumerate(per_rank):
+        assert got["out"].dtype == torch.bfloat16
+        # bf16 holds ~3 significant digits: the output may differ by its own rounding, no more.
+        torch.testing.assert_close(got["out"].float(), want[rank * 7:(rank + 1) * 7],
+                                   rtol=1e-2, atol=2e-2)
+        for key in ("running_mean", "running_var"):
+            torch.testing.assert_close(got["state"][key], ref.state_dict()[key], rtol=1e-4,
+                                       atol=1e-5)
+
+
+def _compiled_syncbn_worker(rank: int, world: int, net: nn.Module, x: torch.Tensor) -> dict:
+    torch._dynamo.reset()
+    grads = []
+    for compile_it in (False, True):
+        model = nn.parallel.DistributedDataParallel(copy.deepcopy(net))
+        run = torch.compile(model) if compile_it else model
+        for _ in range(2):  # the second step meets the running stats the first one updated
+            run(x[rank * 4:(rank + 1) * 4]).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return dict(eager=grads[0], compiled=grads[1])
+
+
+def test_sync_batchnorm_cpu_trains_under_torch_compile(tmp_path):
+    """--compile --syncBN on CPU: the graph kept running_mean for the backward, then the
+    in-place running-stats update broke it ("modified by an inplace operation")."""
+    torch.manual_seed(0)
+    net = SyncBatchNormCPU.convert_sync_batchnorm(nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)))
+    x = torch.randn(8, 3, 8, 8) + 3
+    for got in run_ranks(_compiled_syncbn_worker, 2, tmp_path, net, x):
+        for compiled, eager in zip(got["compiled"], got["eager"]):
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
+
+
 def test_sync_batchnorm_cpu_without_process_group_is_batchnorm():
     assert not dist.is_initialized()
     ref = _bn_init(torch.float64, 0.1)

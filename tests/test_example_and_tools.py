@@ -200,8 +200,13 @@ def test_eval_only_reports_accuracy_without_training(tb_run, tiny_data, tmp_path
     top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", text).group(1))
     assert top1 == pytest.approx(record["val_acc"], abs=1e-4)  # same weights, same val split
     classes = json.loads((tb_run / "class_indices.json").read_text()).values()
-    per_class = {m[0]: float(m[1]) for m in re.findall(r"^\s+(\w+): ([\d.]+)$", text, re.M)}
-    assert set(per_class) == set(classes) and all(0 <= v <= 1 for v in per_class.values())
+    per_class = {m[0]: (float(m[1]), int(m[2]))
+                 for m in re.findall(r"^\s+(\w+): ([\d.]+) \((\d+) images\)$", text, re.M)}
+    assert set(per_class) == set(classes) and all(0 <= v <= 1 for v, _ in per_class.values())
+    # Every validation image in exactly one class, and the accuracies add up to the top-1.
+    total = int(re.search(r"val images: (\d+)", text).group(1))
+    assert sum(n for _, n in per_class.values()) == total
+    assert sum(v * n for v, n in per_class.values()) / total == pytest.approx(top1, abs=1e-3)
     # No training: no progress bars, no epoch lines; evaluation writes nothing at all.
     assert "[train epoch" not in text and "[epoch" not in text
     assert not out.exists()

@@ -150,12 +150,26 @@ def test_sync_bn_flag_rejects_nonsense(capsys):
     (["--val-rate", "0"], "--val-rate: must be above 0 and below 1"),
     (["--val-rate", "-0.1"], "--val-rate: must be above 0 and below 1"),
     (["--val-rate", "a"], "--val-rate: invalid float value: 'a'"),
+    (["--seed", "-1"], "--seed: must be a whole number from 0 to 2**32 - 1 (numpy's seed range), "
+                       "not -1"),
+    (["--seed", str(2**32)], "--seed: must be a whole number from 0 to 2**32 - 1"),
 ])
 def test_bad_numbers_are_usage_errors_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         get_args_parser().parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_largest_seed_works_on_every_rank():
+    # seed + rank would pass numpy's 2**32 - 1 on rank 1; it wraps around to 0 instead.
+    import numpy as np
+    import train_common
+
+    train_common._seed_everything(2**32 - 1, rank=1)
+    drawn = np.random.rand(), torch.rand(1).item()
+    train_common._seed_everything(0, rank=0)
+    assert drawn == (np.random.rand(), torch.rand(1).item())
 
 
 @pytest.mark.parametrize("flag, sync_layers", [("--syncBN", 20), ("--no-syncBN", 0)])

@@ -233,3 +233,16 @@ def test_missing_glyph_warnings_are_silenced_only_while_plotting(runs: tuple[Pat
         "Glyph 1 (X) missing from font(s) Test."
     ]
     assert warnings.filters == filters_before
+
+
+@pytest.mark.parametrize("run_args, label", [
+    ({"model": "resnet18", "world_size": 2, "sync_bn": True, "amp": True},
+     "r (resnet18, 2 procs, syncBN, AMP)"),
+    ({"model": "resnet18", "world_size": 1, "sync_bn": True}, "r (resnet18, 1 proc)"),
+])
+def test_default_label_names_only_what_took_effect(run_args, label, tmp_path: Path) -> None:
+    # --syncBN is on by default, but one process has no one to synchronise with.
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps(run_args))
+    assert plot_results.default_label(run) == label

@@ -461,6 +461,9 @@ def test_resume_from_unusable_checkpoint_exits_2(case, run_a, tiny_data, tmp_pat
 def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
     out = tmp_path / "out"
     shutil.copytree(run_a, out)  # a finished 3-epoch run is there
+    old_events = out / "tensorboard" / "steps" / "events.out.tfevents.1.host.1.0"
+    old_events.parent.mkdir(parents=True)
+    old_events.write_bytes(b"curves of the earlier run")
     code, err = train_here(flags(tiny_data, out, "--resume", "none", "--epochs", "1",
                                  "--batch-size", "16"))
     assert code == 0, err[-3000:]
@@ -469,6 +472,13 @@ def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
     ckpt = load_ckpt(out / "checkpoint.pth")
     assert ckpt["epoch"] == 0 and [m["epoch"] for m in ckpt["metrics"]] == [0]
     assert ckpt["args"]["batch_size"] == 16
+    # Nothing of the earlier run is left to mix with this one (its epochs 1 and 2, its best
+    # model, its TensorBoard curves).
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-0.pth"]
+    assert load_ckpt(out / "model_best.pth")["epoch"] == 0
+    assert not old_events.exists()
+    assert (f"starting afresh in {out}: removed the earlier run's 5 checkpoint/weight file(s) "
+            "and 1 TensorBoard log(s)") in err
 
 
 class _SignalsMidWrite:
@@ -672,10 +682,17 @@ def test_resume_warns_that_the_optimizer_keeps_its_lr(run_a, tmp_path, tiny_data
     shutil.copytree(run_a, out)
     saved = load_ckpt(out / "checkpoint.pth")["args"]
     code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1), "--lr", "0.5",
-                                 "--momentum", str(saved["momentum"]), "--batch-size", "8"))
+                                 "--momentum", str(saved["momentum"]), "--batch-size", "8",
+                                 "--no-scale-lr"))
     assert code == 0, err[-3000:]
     assert (f"resuming keeps the optimizer of {out / 'checkpoint.pth'}: --lr {saved['lr']} "
-            "(not 0.5); to train with the new value(s), start over with --resume none") in err
+            "(not 0.5), --scale-lr (not --no-scale-lr); to train with the new value(s), start "
+            "over with --resume none") in err
+    # Kept means kept: trained by 2 processes with --scale-lr, continued by 1, the lr follows
+    # the run's own rule (halved), not the --no-scale-lr of this command.
+    cosine = (1 + math.cos(EPOCHS * math.pi / (EPOCHS + 1))) / 2 * (1 - saved["lrf"]) + saved["lrf"]
+    assert read_metrics(out)[-1]["lr"] == pytest.approx(saved["lr"] * cosine, rel=1e-9)
+    assert "the learning rate is rescaled to match (--scale-lr)" in err
     assert (f"{out / 'checkpoint.pth'} was trained with --batch-size 4; this run uses 8 per "
             "process, so the global batch changes and the learning rate is kept.") in err
     assert "--momentum" not in err.split("resuming keeps")[1].splitlines()[0]
@@ -716,6 +733,24 @@ def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(run_a, tmp_p
     assert "resumed from" not in err and f"loaded {weights}; skipped 0 tensor(s)" in err
     top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", err).group(1))
     assert top1 == pytest.approx(read_metrics(out)[0]["val_acc"], abs=1e-4)
+
+
+def test_eval_only_weights_from_a_checkpoint_of_other_classes_is_refused(run_a, tmp_path,
+                                                                         tiny_data, train_here):
+    """Same number of classes, one renamed: every label shifts, and the tensors still fit, so
+    only the checkpoint's class list can tell. --weights gets the check --resume makes."""
+    data = tmp_path / "renamed"
+    shutil.copytree(tiny_data, data)
+    (data / "tulips").rename(data / "a_tulips")
+    weights = run_a / "model_best.pth"
+    code, err = train_here(flags(data, tmp_path / "out", "--eval-only", "--weights", str(weights)))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert (f"{weights} was trained on the classes daisy, dandelion, roses, sunflowers, tulips "
+            "but the data has a_tulips, daisy, dandelion, roses, sunflowers (a_tulips, tulips), "
+            "so its labels would be wrong; evaluate it on the data it was trained on.") in errors[0]
+    assert "top-1 accuracy" not in err
 
 
 def test_raising_epochs_on_resume_continues_on_the_new_cosine(tmp_path, tiny_data, train_here):
@@ -798,6 +833,24 @@ def test_model_best_exists_even_when_accuracy_stays_zero(tmp_path, tiny_data, tr
     assert code == 0, err[-3000:]
     assert [m["val_acc"] for m in read_metrics(out)] == [0.0, 0.0]
     assert load_ckpt(out / "model_best.pth")["epoch"] == 0  # the first of equals
+
+
+def test_resumed_into_a_new_folder_its_best_model_holds_its_own_accuracy(run_a, tmp_path,
+                                                                          tiny_data, train_here):
+    """The new folder has no model_best.pth, so the first epoch saved there is its best; the
+    best accuracy it records must be that epoch's, not the other folder's best."""
+    given = tmp_path / "given.pth"
+    ckpt = load_ckpt(run_a / "checkpoint.pth")
+    ckpt["best_acc"] = 1.0  # the other folder's best, out of reach for any epoch here
+    torch.save(ckpt, given)
+    out = tmp_path / "new"
+    code, err = train_here(flags(tiny_data, out, "--resume", str(given), "--epochs",
+                                 str(EPOCHS + 1)))
+    assert code == 0, err[-3000:]
+    best, last = load_ckpt(out / "model_best.pth"), read_metrics(out)[-1]
+    assert best["epoch"] == last["epoch"] == EPOCHS
+    assert best["best_acc"] == pytest.approx(last["val_acc"], abs=1e-6)
+    assert load_ckpt(out / "checkpoint.pth")["best_acc"] == best["best_acc"]
 
 
 def test_corrupt_checkpoint_names_the_files_to_continue_from(run_a, tmp_path, tiny_data,
