@@ -234,6 +234,9 @@ def resolve_device(name: str) -> torch.device:
         raise UsageError(f"Unknown device {name!r}; use auto, cpu, cuda or cuda:<index>.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name} was requested but CUDA is not available; use --device cpu.")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) are visible "
+                         f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}).")
     return device
 
 

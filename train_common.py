@@ -893,7 +893,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 scaler.load_state_dict(ckpt["scaler"])
             rng = ckpt.get("rng_states") or []
             if len(rng) == info.world_size:
-                restore_rng_state(rng[info.rank])
+                restore_rng_state(rng[info.rank], info.device)
             trained_by = ckpt.get("args", {}).get("world_size", info.world_size)
             scale_lr = ckpt.get("args", {}).get("scale_lr", args.scale_lr)  # the run's own rule
             # The optimizer comes back with the lr of the saved schedule; recompute it on this
@@ -974,7 +974,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         no_best_yet = not (out / "model_best.pth").is_file()
         is_best = no_best_yet or val_acc > best_acc
         best_acc = val_acc if no_best_yet else max(best_acc, val_acc)
-        rng_states = all_gather_object(capture_rng_state())
+        rng_states = all_gather_object(capture_rng_state(info.device))
         state = None
         if info.is_main:
             state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),

@@ -129,25 +129,36 @@ def load_matching_weights(model: nn.Module, path: str | os.PathLike
     return skipped, missing
 
 
-def capture_rng_state() -> dict[str, Any]:
+def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """This process's RNG states as plain Python values (bytes, lists), which both
-    ``all_gather_object`` and ``weights_only`` loading accept."""
+    ``all_gather_object`` and ``weights_only`` loading accept.
+
+    ``device``: the run's device; a CUDA one adds its generator. (None: CUDA's if this process
+    already uses CUDA. A CPU run on a GPU machine must not create a CUDA context on GPU 0.)
+    """
     kind, keys, *rest = np.random.get_state()
     state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate(),
              "numpy": [kind, keys.tolist(), *rest]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+    if _uses_cuda(device):
+        state["cuda"] = torch.cuda.get_rng_state(device or "cuda").numpy().tobytes()
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
+def restore_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Inverse of :func:`capture_rng_state` (``device`` as there)."""
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     random.setstate(_tuples(state["python"]))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+    if "cuda" in state and _uses_cuda(device):
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8),
+                                 device or "cuda")
+
+
+def _uses_cuda(device: torch.device | None) -> bool:
+    if device is None:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+    return device.type == "cuda"
 
 
 def _tuples(obj: Any) -> Any:

@@ -686,3 +686,35 @@ def test_training_is_reproducible_and_seed_dependent(tiny_data, tmp_path):
         weights = _final_weights(tmp_path / run_dir)
         assert all(torch.equal(weights[k], v) for k, v in ref.items()), run_dir
     assert [m["train_loss"] for m in other_seed] != [m["train_loss"] for m in first]
+
+
+# ------------------------------------------------------------------ GPU choices, checked on CPU
+@pytest.mark.parametrize("native_bf16, want", [(True, torch.bfloat16), (False, torch.float16)])
+def test_amp_takes_bf16_only_where_the_gpu_has_it(native_bf16, want, monkeypatch):
+    """Before Ampere, torch.cuda.is_bf16_supported() says yes by emulation, but cuDNN has no bf16
+    convolutions there: those GPUs must get fp16 (with the GradScaler), not bf16."""
+    from multi_train_utils.train_eval_utils import resolve_amp_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native_bf16 or including_emulation)
+    assert resolve_amp_dtype(None, torch.device("cuda", 0)) == want  # on by default on CUDA
+    assert resolve_amp_dtype(False, torch.device("cuda", 0)) is None
+    assert resolve_amp_dtype(None, torch.device("cpu")) is None  # off by default on CPU
+    assert resolve_amp_dtype(True, torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_prepare_images_normalises_on_the_device_once_per_device(channels_last):
+    from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, _norm_constants,
+                                                    prepare_images)
+
+    batch = torch.randint(0, 256, (2, 3, 5, 4), dtype=torch.uint8)
+    out = prepare_images(batch, torch.device("cpu"), channels_last=channels_last)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    torch.testing.assert_close(out, (batch.float() / 255 - mean) / std)
+    assert out.dtype == torch.float32
+    assert out.is_contiguous(memory_format=torch.channels_last) == channels_last
+    # The constants are made once (on CUDA each torch.tensor(..., device=) would wait for the GPU).
+    first = _norm_constants(IMAGENET_MEAN, IMAGENET_STD, torch.device("cpu"))
+    assert _norm_constants(IMAGENET_MEAN, IMAGENET_STD, torch.device("cpu"))[0] is first[0]

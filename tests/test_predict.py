@@ -421,3 +421,12 @@ def test_weights_without_a_class_list_still_need_class_indices(
     with caplog.at_level(logging.INFO):
         assert _main("--weights", path, "--model", "resnet18", "--img-size", IMG_SIZE, run["images"][0]) == 0, \
             _errors(caplog)
+
+
+def test_a_gpu_index_that_is_not_there_is_a_usage_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert predict.resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(predict.UsageError, match=re.escape(
+            "--device cuda:7: only 2 GPU(s) are visible (cuda:0 to cuda:1).")):
+        predict.resolve_device("cuda:7")

@@ -253,6 +253,23 @@ def test_checkpoint_holds_everything_needed_to_resume(run_a):
     assert not torch.equal(first["fc.weight"], last["fc.weight"])  # it did train
 
 
+def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(monkeypatch):
+    """RNG states of a --device cpu run: no CUDA generator (reading it would create a CUDA
+    context on GPU 0, which fails on an exclusive or busy GPU), and the round trip is exact."""
+    from multi_train_utils.checkpoint import capture_rng_state, restore_rng_state
+
+    def no_gpu(*args, **kwargs):
+        raise AssertionError("a CPU run touched the GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    monkeypatch.setattr(torch.cuda, "get_rng_state", no_gpu)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", no_gpu)
+    state = capture_rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    drawn = torch.rand(3)
+    restore_rng_state({**state, "cuda": b"from a GPU run"}, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), drawn)
+
+
 # ---------------------------------------------------------------- 2. atomic save
 @pytest.mark.parametrize("crash", [OSError("No space left on device"),
                                    KeyboardInterrupt("SIGTERM")], ids=["disk-full", "signal"])
