@@ -478,18 +478,21 @@ def _write_run_files(out: Path, scan) -> None:
 
 
 def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[str, Any]],
-                       fresh: bool) -> None:
+                       fresh: bool, weights: str | None) -> None:
     """Rank 0, before the first epoch of this attempt: args.json and the metrics so far.
 
     ``fresh``: no checkpoint is continued (``--resume none``, or nothing to resume), so what an
     earlier run left here goes now, when this one is known to start: its later epochs' weights
     would otherwise sit beside this run's, its best model would compete with them, and its
-    TensorBoard curves would be drawn into this run's.
+    TensorBoard curves would be drawn into this run's. The ``--weights`` file this run started
+    from stays, even when it is one of them (``--resume none --weights <out>/checkpoint.pth``).
     """
     with _writing_in(out):
         if fresh:
+            kept = Path(weights).resolve() if weights else None
             stale = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
-                                 *(out / "weights").glob("model-*.pth")) if p.is_file()]
+                                 *(out / "weights").glob("model-*.pth"))
+                     if p.is_file() and p.resolve() != kept]
             events = sorted((out / "tensorboard").rglob("events.out.tfevents.*"))
             for path in stale + events:
                 path.unlink()
@@ -936,7 +939,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                  start_epoch - 1, args.epochs)
         return
     _check_on_rank0(_write_start_files, out, _jsonable(args, world_size=info.world_size,
-                    backend=info.backend, device=str(device)), history, ckpt is None, info=info)
+                    backend=info.backend, device=str(device)), history, ckpt is None,
+                    args.weights, info=info)
     writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
                                        classes)
 

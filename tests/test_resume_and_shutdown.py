@@ -498,6 +498,22 @@ def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
             "and 1 TensorBoard log(s)") in err
 
 
+def test_resume_none_keeps_the_weights_file_it_starts_from(run_a, tmp_path, tiny_data,
+                                                           train_here):
+    """The way out the corrupt-checkpoint error names: --resume none --weights
+    DIR/weights/model-N.pth in that same folder. That file must not go with the earlier run."""
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    start = out / "weights" / "model-2.pth"
+    code, err = train_here(flags(tiny_data, out, "--resume", "none", "--weights", str(start),
+                                 "--epochs", "1"))
+    assert code == 0, err[-3000:]
+    assert f"loaded {start}; skipped 0 tensor(s)" in err
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-0.pth", "model-2.pth"]
+    assert start.read_bytes() == (run_a / "weights" / "model-2.pth").read_bytes()
+    assert load_ckpt(out / "checkpoint.pth")["epoch"] == 0
+
+
 class _SignalsMidWrite:
     """A file that sends this process ``signum`` once its first bytes are written (what a kill
     in the middle of ``torch.save`` looks like to the writer)."""
