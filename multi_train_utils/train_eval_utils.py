@@ -7,7 +7,8 @@ fast input pipeline: normalised here, on the device) or already-normalised float
 
 Neither loop synchronises the host with the device on every step: ``loss.item()`` or an
 all-reduce each step stalls the GPU pipeline, so running sums stay on the device and are reduced
-every ``print_freq`` steps and at the end.
+every ``print_freq`` steps and at the end. (torch's own ``nn.SyncBatchNorm`` does sync the host
+once per layer in training, to drop empty ranks (pytorch/pytorch#78549): the price of --syncBN.)
 """
 
 from __future__ import annotations
