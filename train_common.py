@@ -14,13 +14,14 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -223,7 +224,14 @@ def setup_logging(rank: int) -> None:
 _held_signals: list[int] | None = None
 
 
+# The first SIGINT/SIGTERM this process got, held or not: a peer that stops on it drops out of
+# the collectives, and the error that leaves on this rank is that signal's doing.
+_signal_received: str | None = None
+
+
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    global _signal_received
+    _signal_received = _signal_received or signal.Signals(signum).name
     _expect_worker_deaths()
     # An exception raised inside torch.save leaves its zip writer half done; its clean-up then
     # fails with "unexpected pos" and the epoch just trained is lost. So while checkpoints are
@@ -322,6 +330,8 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup &)
         signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
+    global _signal_received
+    _signal_received = None
     info = None
     try:
         with _signals_default():
@@ -334,20 +344,13 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             log.error("error: %s", exc)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt as exc:
-        _quiet_second_signal()
-        _expect_worker_deaths()
-        signame = str(exc) or "SIGINT"
-        if (info is None or info.is_main) and args.eval_only:
-            log.error("interrupted by %s.", signame)
-        elif info is None or info.is_main:
-            if (Path(args.output_dir) / "checkpoint.pth").is_file():
-                log.error("interrupted by %s; the last complete checkpoint is in %s - run the "
-                          "same command again to resume.", signame, args.output_dir)
-            else:
-                log.error("interrupted by %s before the first epoch was saved; run the same "
-                          "command again to start.", signame)
-        sys.exit(143 if signame == "SIGTERM" else 130)
+        _stop_interrupted(str(exc) or "SIGINT", args, info)
     except RuntimeError as exc:
+        if _signal_received and (isinstance(exc.__context__, KeyboardInterrupt)
+                                 or peer_failure(exc)):
+            # A second Ctrl-C broke torch.save's writer ("unexpected pos"), or a peer stopped on
+            # the signal first: the run was interrupted, nothing failed.
+            _stop_interrupted(_signal_received, args, info)
         reason = peer_failure(exc) if info is None or info.distributed else None
         if reason is None:
             raise
@@ -369,6 +372,22 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         _release_output_dir()
         for signum, handler in saved_handlers.items():  # train() may be called again
             signal.signal(signum, handler)
+
+
+def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | None) -> NoReturn:
+    _quiet_second_signal()
+    _expect_worker_deaths()
+    if (info is None or info.is_main) and args.eval_only:
+        log.error("interrupted by %s.", signame)
+    elif info is None or info.is_main:
+        out = Path(args.output_dir)
+        if (out / "checkpoint.pth").is_file():
+            log.error("interrupted by %s; the last complete checkpoint is in %s - run the "
+                      "same command again to resume.", signame, out)
+        else:
+            log.error("interrupted by %s before the first epoch was saved; run the same "
+                      "command again to start.%s", signame, _PREVIOUS_RUN_HINT(out))
+    sys.exit(143 if signame == "SIGTERM" else 130)
 
 
 def _quiet_second_signal() -> None:
@@ -482,10 +501,12 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
     """Rank 0, before the first epoch of this attempt: args.json and the metrics so far.
 
     ``fresh``: no checkpoint is continued (``--resume none``, or nothing to resume), so what an
-    earlier run left here goes now, when this one is known to start: its later epochs' weights
-    would otherwise sit beside this run's, its best model would compete with them, and its
-    TensorBoard curves would be drawn into this run's. The ``--weights`` file this run started
-    from stays, even when it is one of them (``--resume none --weights <out>/checkpoint.pth``).
+    earlier run left here must not mix with this one: its later epochs' weights would sit
+    beside this run's, its best model would compete with them, and its TensorBoard curves would
+    be drawn into this run's. They are moved to ``<out>/.previous-run`` now, when this run is
+    known to start, and deleted once its first epoch is saved (:func:`_save_epoch`): a run
+    stopped before that loses nothing. The ``--weights`` file this run started from stays in
+    place, even when it is one of them (``--resume none --weights <out>/weights/model-N.pth``).
     """
     with _writing_in(out):
         if fresh:
@@ -495,10 +516,16 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
                      if p.is_file() and p.resolve() != kept]
             events = sorted((out / "tensorboard").rglob("events.out.tfevents.*"))
             for path in stale + events:
-                path.unlink()
+                dest = out / PREVIOUS_RUN / path.relative_to(out)
+                if dest.exists():  # an aside from an earlier attempt holds the older files
+                    path.unlink()
+                else:
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    path.replace(dest)
             if stale or events:
-                log.info("starting afresh in %s: removed the earlier run's %d checkpoint/weight "
-                         "file(s) and %d TensorBoard log(s)", out, len(stale), len(events))
+                log.info("starting afresh in %s: the earlier run's %d checkpoint/weight file(s) "
+                         "and %d TensorBoard log(s) are moved to %s, and deleted once this run "
+                         "saves its first epoch", out, len(stale), len(events), PREVIOUS_RUN)
         write_json_atomic(out / "args.json", run_args)
         # metrics.jsonl is rebuilt from the checkpoint: each finished epoch exactly once, even
         # if the previous attempt died between appending a line and saving the checkpoint.
@@ -734,13 +761,24 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
     checkpoint = out / "checkpoint.pth"
     if checkpoint.exists() and not checkpoint.is_file():
         raise ConfigError(f"{checkpoint} is not a file; move it away or use another --output-dir.")
+    aside = out / PREVIOUS_RUN
+    if args.resume == "auto" and not checkpoint.exists() and (aside / "checkpoint.pth").is_file():
+        # A --resume none stopped before its first save: the run it replaced is still whole.
+        raise CheckpointError(
+            f"{out} holds no checkpoint.pth, but the run that an interrupted --resume none "
+            f"moved aside is in {aside}: continue it with `cp -r {aside}/. {out}/ && rm -r "
+            f"{aside}` and the same command, or start over with --resume none.")
     if args.resume == "auto" and _first_save_interrupted(out):
         # Killed while epoch 0 was saved (checkpoint.pth is written last): not an earlier run.
         # A complete model_best.pth is that epoch (see _resolve_resume); else it starts over.
         if not (out / "model_best.pth").is_file():
-            (out / "weights" / "model-0.pth").unlink(missing_ok=True)
-            log.info("%s: the first epoch's save was interrupted; starting that epoch again.",
-                     out)
+            started = out / "weights" / "model-0.pth"
+            if started.is_file():
+                started.unlink()
+                log.info("%s: the first epoch's save was interrupted; starting that epoch again.",
+                         out)
+            else:
+                log.info("%s: no epoch was completed here yet; starting from epoch 0.", out)
     earlier = [name for name in ("metrics.jsonl", "model_best.pth")
                if (out / name).is_file() and (out / name).stat().st_size > 0]
     if any((out / "weights").glob("model-*.pth")):
@@ -752,7 +790,7 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
         raise CheckpointError(
             f"{out} holds an earlier run ({', '.join(earlier)}) but no checkpoint.pth to "
             f"continue from; use another --output-dir,{best} or start over in it with "
-            "--resume none (its checkpoints, weights and TensorBoard logs are removed).")
+            "--resume none (its checkpoints, weights and TensorBoard logs are replaced).")
     if (args.resume not in ("auto", "none", "", None) and (earlier or checkpoint.exists())
             and Path(args.resume).resolve().parent != out.resolve()):
         # Its checkpoint, metrics and best model would be replaced by the other run's, and
@@ -937,6 +975,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     if start_epoch >= args.epochs:  # a finished run's files stay as trained
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
                  start_epoch - 1, args.epochs)
+        _check_on_rank0(_restore_metrics, out, history, info=info)
         return
     _check_on_rank0(_write_start_files, out, _jsonable(args, world_size=info.world_size,
                     backend=info.backend, device=str(device)), history, ckpt is None,
@@ -988,9 +1027,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                      "val_split": val_split}
             if scaler.is_enabled():
                 state["scaler"] = scaler.state_dict()
-        with _signals_held():  # on every rank: a stop now waits until the epoch is on disk
-            _check_on_rank0(_save_epoch, out, state, record, is_best, args.keep_last, info=info)
-        if info.is_main:
+        if info.is_main:  # before the save: a stop held during it would skip this
             log.info("[epoch %d] train loss %.4f  val acc %.4f%s  val loss %.4f  lr %.2e  %.1fs  "
                      "%.0f img/s", epoch, train_loss, val_acc,
                      f"  top5 {result.top5:.4f}" if result.top5 is not None else "", result.loss,
@@ -1007,6 +1044,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                         writer.add_figure("confusion_matrix", _confusion_figure(result, classes),
                                           epoch)
                 writer.flush()
+        with _signals_held():  # on every rank: a stop now waits until the epoch is on disk
+            _check_on_rank0(_save_epoch, out, state, record, is_best, args.keep_last, info=info)
     if writer:
         writer.close()
         step_writer.close()
@@ -1014,6 +1053,17 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
 
 _START_OVER = ("A resumed run keeps the checkpoint's learning rate: start over with --resume none "
                "or another --output-dir.")
+
+
+PREVIOUS_RUN = ".previous-run"  # where --resume none keeps the earlier run until its first save
+
+
+def _PREVIOUS_RUN_HINT(out: Path) -> str:
+    aside = out / PREVIOUS_RUN
+    if not (aside / "checkpoint.pth").is_file():
+        return ""
+    return (f" The earlier run that --resume none replaces is still in {aside}; move its files "
+            f"back into {out} to keep it.")
 
 
 def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_best: bool,
@@ -1031,6 +1081,7 @@ def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_bes
         save_atomic(state, out / "checkpoint.pth")  # last: it marks the epoch as done
         with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        shutil.rmtree(out / PREVIOUS_RUN, ignore_errors=True)  # replaced now (--resume none)
     except OSError as exc:  # disk full, quota, file-size limit, storage gone
         done = "the start"
         if (out / "checkpoint.pth").is_file():
@@ -1070,6 +1121,16 @@ def _step_logger(writer):
         writer.add_scalar("step/loss", loss, step)
         writer.add_scalar("step/lr", lr, step)
     return log_step
+
+
+def _restore_metrics(out: Path, history: list[dict[str, Any]]) -> None:
+    """Rank 0: metrics.jsonl as the checkpoint records it, if it says otherwise (emptied by a
+    --resume none stopped before its first save, or edited); else it is left untouched."""
+    text = "".join(json.dumps(r) + "\n" for r in history)
+    path = out / "metrics.jsonl"
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        with _writing_in(out):
+            _write_metrics(path, history)
 
 
 def _write_metrics(path: Path, history: list[dict[str, Any]]) -> None:

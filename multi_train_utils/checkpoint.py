@@ -48,8 +48,10 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
-            # torch.save's zip writer hides a full disk behind "unexpected pos N vs M".
+        if isinstance(exc, RuntimeError) and isinstance(exc.__context__,
+                                                        (OSError, KeyboardInterrupt)):
+            # torch.save's zip writer hides a full disk (or a Ctrl-C that interrupted it) behind
+            # "unexpected pos N vs M".
             raise exc.__context__ from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -490,12 +490,47 @@ def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
     assert ckpt["epoch"] == 0 and [m["epoch"] for m in ckpt["metrics"]] == [0]
     assert ckpt["args"]["batch_size"] == 16
     # Nothing of the earlier run is left to mix with this one (its epochs 1 and 2, its best
-    # model, its TensorBoard curves).
+    # model, its TensorBoard curves): set aside at the start, gone once epoch 0 was saved.
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-0.pth"]
     assert load_ckpt(out / "model_best.pth")["epoch"] == 0
-    assert not old_events.exists()
-    assert (f"starting afresh in {out}: removed the earlier run's 5 checkpoint/weight file(s) "
-            "and 1 TensorBoard log(s)") in err
+    assert not old_events.exists() and not (out / ".previous-run").exists()
+    assert (f"starting afresh in {out}: the earlier run's 5 checkpoint/weight file(s) and 1 "
+            "TensorBoard log(s) are moved to .previous-run, and deleted once this run saves its "
+            "first epoch") in err
+
+
+def test_resume_none_stopped_before_its_first_save_loses_nothing(run_a, tmp_path, tiny_data,
+                                                                 train_here, monkeypatch):
+    """A --resume none (a typo, the wrong folder) stopped before it saved anything: the run it
+    would replace is still whole, the original command says how to get it back, and then
+    continues it."""
+    import train_common
+
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    monkeypatch.setattr(train_common, "train_one_epoch", lambda *a, **k: os.kill(
+        os.getpid(), signal.SIGINT) or time.sleep(5))
+    code, err = train_here(flags(tiny_data, out, "--resume", "none"))
+    monkeypatch.undo()
+    assert code == 130, err[-3000:]
+    aside = out / ".previous-run"
+    assert (f"The earlier run that --resume none replaces is still in {aside}; move its files "
+            f"back into {out} to keep it.") in err
+    assert not (out / "checkpoint.pth").exists()
+
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS)))  # the original command
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and (f"the run that an interrupted --resume none moved aside is in "
+                                 f"{aside}: continue it with `cp -r {aside}/. {out}/ && rm -r "
+                                 f"{aside}`") in errors[0], err[-3000:]
+    subprocess.run(f"cp -r {aside}/. {out}/ && rm -r {aside}", shell=True, check=True)
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS)))
+    assert code == 0, err[-3000:]
+    assert f"holds epochs 0-{EPOCHS - 1}, so --epochs {EPOCHS} leaves nothing to train" in err
+    assert [m["epoch"] for m in read_metrics(out)] == list(range(EPOCHS))
+    assert_same_tensors(load_ckpt(out / "checkpoint.pth")["model"],
+                        load_ckpt(run_a / "checkpoint.pth")["model"])
 
 
 def test_resume_none_keeps_the_weights_file_it_starts_from(run_a, tmp_path, tiny_data,
@@ -566,6 +601,62 @@ def test_signal_during_checkpoint_write_lets_the_epoch_finish_saving(tmp_path, t
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
 
 
+class _SignalsTwiceMidWrite(_SignalsMidWrite):
+    """Ctrl-C, then Ctrl-C again, while torch.save writes (a terminal sends both to every rank
+    of the spawn launcher, which share its process group)."""
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)  # held until the save is done ...
+            os.kill(os.getpid(), self.signum)  # ... the second one is not: it breaks the writer
+        return n
+
+
+def test_a_second_ctrl_c_inside_torch_save_is_an_interrupt_not_a_traceback(tmp_path, tiny_data,
+                                                                           train_here,
+                                                                           monkeypatch):
+    """torch's zip writer turns the KeyboardInterrupt into "RuntimeError: unexpected pos"; the
+    run must still stop as interrupted (130, one line) with epoch 0's checkpoint intact."""
+    out = tmp_path / "out"
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("epoch") == 1 and "optimizer" in obj:
+            f = _SignalsTwiceMidWrite(f, signal.SIGINT)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "unexpected pos" not in err, err[-3000:]
+    assert (f"interrupted by SIGINT; the last complete checkpoint is in {out} - run the same "
+            "command again to resume.") in err
+    assert "[epoch 1]" in err  # the epoch is reported before its save, even if that is stopped
+    assert load_file(out / "checkpoint.pth")["epoch"] == 0
+    assert not list(out.rglob(".*.tmp"))
+
+
+def test_a_peer_lost_after_a_signal_is_reported_as_the_interrupt(tmp_path, tiny_data,
+                                                                  train_here, monkeypatch):
+    """SIGTERM to the whole group while a save holds it here: the other rank stops at once and
+    this rank's next collective fails. The cause is the signal, not a lost machine."""
+    import train_common
+
+    def run(args, info):
+        with train_common._signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)  # held: this rank finishes its save
+            raise RuntimeError("[/src/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                               "[127.0.0.1]:4242")  # the peer already stopped
+    monkeypatch.setattr(train_common, "_run", run)
+    code, err = train_here(flags(tiny_data, tmp_path / "out"))
+    assert code == 143, err[-3000:]
+    assert "interrupted by SIGTERM before the first epoch was saved" in err, err[-3000:]
+    assert "lost contact" not in err and "Traceback" not in err
+
+
 def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, tiny_data,
                                                                      train_here, monkeypatch):
     import train_common
@@ -574,11 +665,17 @@ def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, 
         raise KeyboardInterrupt("SIGINT")
 
     monkeypatch.setattr(train_common, "train_one_epoch", interrupted)
-    code, err = train_here(flags(tiny_data, tmp_path / "out"))
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out))
     assert code == 130, err[-3000:]
     assert "interrupted by SIGINT before the first epoch was saved; run the same command again " \
            "to start." in err
     assert "last complete checkpoint" not in err
+    monkeypatch.undo()
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1"))  # the same command again
+    assert code == 0, err[-3000:]
+    assert f"{out}: no epoch was completed here yet; starting from epoch 0." in err
+    assert "save was interrupted" not in err  # no save was running when it stopped
 
 
 @pytest.mark.parametrize("killed_after", ["model_best.pth", "weights/model-0.pth"])
