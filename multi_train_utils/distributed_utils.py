@@ -226,7 +226,8 @@ def cleanup() -> None:
 
 # What gloo and NCCL say when a peer is gone or stuck (they raise plain RuntimeErrors).
 _PEER_FAILURE = re.compile(r"gloo/|ProcessGroup|NCCL|Connection (closed|reset) by peer|"
-                           r"Timed out waiting .* for (send|recv)", re.IGNORECASE)
+                           r"Timed out waiting .* for (send|recv)|caused pair closure|"
+                           r"Socket Timeout", re.IGNORECASE)
 
 
 def peer_failure(exc: BaseException) -> str | None:

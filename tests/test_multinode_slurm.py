@@ -329,6 +329,8 @@ def test_malformed_dist_url_is_one_sentence(slurm_env, url):
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
                   "waiting 1800000ms for recv operation to complete"),
      "Timed out waiting 1800000ms for recv operation to complete"),
+    (RuntimeError("Application timeout caused pair closure"),  # gloo, a SIGSTOPped peer
+     "Application timeout caused pair closure"),
     (torch.distributed.DistBackendError("NCCL communicator was aborted on rank 3.\nmore"),
      "NCCL communicator was aborted on rank 3"),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x512 and 256x5)"), None),
