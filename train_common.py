@@ -386,7 +386,7 @@ def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | N
                       "same command again to resume.", signame, out)
         else:
             log.error("interrupted by %s before the first epoch was saved; run the same "
-                      "command again to start.%s", signame, _PREVIOUS_RUN_HINT(out))
+                      "command again to start.%s", signame, _previous_run_hint(out))
     sys.exit(143 if signame == "SIGTERM" else 130)
 
 
@@ -1058,7 +1058,7 @@ _START_OVER = ("A resumed run keeps the checkpoint's learning rate: start over w
 PREVIOUS_RUN = ".previous-run"  # where --resume none keeps the earlier run until its first save
 
 
-def _PREVIOUS_RUN_HINT(out: Path) -> str:
+def _previous_run_hint(out: Path) -> str:
     aside = out / PREVIOUS_RUN
     if not (aside / "checkpoint.pth").is_file():
         return ""
