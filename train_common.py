@@ -346,10 +346,8 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     except KeyboardInterrupt as exc:
         _stop_interrupted(str(exc) or "SIGINT", args, info)
     except RuntimeError as exc:
-        if _signal_received and (isinstance(exc.__context__, KeyboardInterrupt)
-                                 or peer_failure(exc)):
-            # A second Ctrl-C broke torch.save's writer ("unexpected pos"), or a peer stopped on
-            # the signal first: the run was interrupted, nothing failed.
+        if _signal_received and peer_failure(exc):
+            # A peer stopped on the same signal first: the run was interrupted, nothing failed.
             _stop_interrupted(_signal_received, args, info)
         reason = peer_failure(exc) if info is None or info.distributed else None
         if reason is None:
@@ -622,9 +620,9 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
 
 
 def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
-                     warn: bool = True) -> dict[str, Any]:
+                     warn: bool = True, val_split: str | None = None) -> dict[str, Any]:
     """The checkpoint at ``path``, checked against this run; ``warn``: say what differs (rank 0
-    only, since every rank finds the same)."""
+    only, since every rank finds the same); ``val_split``: this run's :func:`_split_digest`."""
     try:
         ckpt = load_file(path)
     except CheckpointError as exc:
@@ -640,7 +638,7 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
     if not _is_checkpoint(ckpt):
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model'/'epoch'); to start "
                               "from bare weights use --weights instead of --resume.")
-    _check_checkpoint(ckpt, path, args, classes, warn=warn)
+    _check_checkpoint(ckpt, path, args, classes, warn=warn, val_split=val_split)
     return ckpt
 
 
@@ -649,7 +647,7 @@ def _is_checkpoint(obj: Any) -> bool:
 
 
 def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
-                      classes: list[str], *, warn: bool) -> None:
+                      classes: list[str], *, warn: bool, val_split: str | None = None) -> None:
     """Refuse what cannot go on from ``ckpt`` (another model, other classes, ...); warn of the
     rest."""
     saved = ckpt.get("args", {})
@@ -681,6 +679,10 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
         log.warning("%s was trained with %s: this evaluation draws another validation split, "
                     "which may include images it trained on; pass the values it was trained "
                     "with to score it on its own validation images.", path, ", ".join(redrawn))
+    elif val_split is not None and ckpt.get("val_split", val_split) != val_split and warn:
+        log.warning("the validation images differ from those %s was validated on (the data "
+                    "changed): validation may now include images it trained on, and val "
+                    "accuracy is not comparable with earlier epochs.", path)
     frozen = saved.get("freeze_layers", args.freeze_layers)
     if frozen != args.freeze_layers and not args.eval_only:
         # The optimizer state holds one entry per trainable tensor: it cannot be carried over.
@@ -871,11 +873,13 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     model = _build_model(args, info, num_classes)
     _check_norm_batch(args, info, model)
     resume_path = _resolve_resume(args, out)
-    ckpt = _load_checkpoint(resume_path, args, classes, warn=info.is_main) if resume_path else None
+    ckpt = (_load_checkpoint(resume_path, args, classes, warn=info.is_main, val_split=val_split)
+            if resume_path else None)
     if args.eval_only and args.weights and _is_checkpoint(weights := load_file(args.weights)):
         # A full checkpoint scored through --weights gets the checks --resume would make: its
         # classes in another order would score every image against the wrong label.
-        _check_checkpoint(weights, args.weights, args, classes, warn=info.is_main)
+        _check_checkpoint(weights, args.weights, args, classes, warn=info.is_main,
+                          val_split=val_split)
     if ckpt is not None:
         state, own = extract_state_dict(ckpt, resume_path), model.state_dict()
         # Checkpoints without recorded args (or from edited code) are checked by shape.
@@ -955,12 +959,6 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                 info.world_size * args.batch_size,
                                 "the learning rate is rescaled to match (--scale-lr)"
                                 if scale_lr else "the learning rate is kept (--no-scale-lr)")
-        redrawn = any(ckpt.get("args", {}).get(k, getattr(args, k)) != getattr(args, k)
-                      for k in ("seed", "val_rate"))  # eval-only: said above, with that cause
-        if ckpt.get("val_split", val_split) != val_split and info.is_main and not redrawn:
-            log.warning("the validation images differ from those %s was validated on (the data "
-                        "changed): validation may now include images it trained on, and val "
-                        "accuracy is not comparable with earlier epochs.", resume_path)
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
         log.info("resumed from %s: epoch %d done, best val acc %.4f%s", resume_path,
@@ -1126,16 +1124,19 @@ def _step_logger(writer):
 def _restore_metrics(out: Path, history: list[dict[str, Any]]) -> None:
     """Rank 0: metrics.jsonl as the checkpoint records it, if it says otherwise (emptied by a
     --resume none stopped before its first save, or edited); else it is left untouched."""
-    text = "".join(json.dumps(r) + "\n" for r in history)
     path = out / "metrics.jsonl"
-    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+    if not path.is_file() or path.read_text(encoding="utf-8") != _metrics_text(history):
         with _writing_in(out):
             _write_metrics(path, history)
 
 
+def _metrics_text(history: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in history)
+
+
 def _write_metrics(path: Path, history: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
+    tmp.write_text(_metrics_text(history), encoding="utf-8")
     os.replace(tmp, path)
 
 
