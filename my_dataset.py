@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset
-from torchvision.io import ImageReadMode, decode_image, read_file
+try:  # deprecated in torchvision 0.29 in favour of TorchCodec: once removed, PIL decodes
+    from torchvision.io import ImageReadMode, decode_image, read_file
+except ImportError:  # pragma: no cover - depends on the installed torchvision
+    decode_image = None
 from torchvision.transforms.v2 import functional as TF
 
 from multi_train_utils.train_eval_utils import IGNORE_INDEX  # nn.CrossEntropyLoss's default
@@ -65,6 +70,8 @@ def load_pil_image(path: str) -> Image.Image:
 def load_image_tensor(path: str) -> torch.Tensor:
     """``uint8 (3, H, W)`` RGB with EXIF orientation; falls back to PIL for what torchvision
     cannot decode (e.g. some TIFF/GIF variants); raises on undecodable files."""
+    if decode_image is None:
+        return TF.pil_to_tensor(load_pil_image(path))
     try:
         img = decode_image(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
         if img.ndim == 4:  # an animated GIF: (frames, 3, H, W); PIL also gives the first frame
@@ -91,9 +98,12 @@ def check_image(path: str) -> str | None:
 
     Cheap: reads the header (PIL identifies the format without decoding) and, for JPEG/PNG, the
     last bytes - a file cut short lacks its end marker. Only files without one are decoded in
-    full, so valid files with trailing padding are kept.
+    full, so valid files with trailing padding are kept. Images above PIL's decompression-bomb
+    limit (``Image.MAX_IMAGE_PIXELS`` x 2, about 179 megapixels) are refused as too large.
     """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open forever
+            return "not a regular file"
         with open(path, "rb") as f:
             f.seek(0, 2)
             size = f.tell()
@@ -101,7 +111,10 @@ def check_image(path: str) -> str | None:
                 return "empty file"
             f.seek(max(0, size - 1024))
             tail = f.read()
-        with Image.open(path) as img:
+        with warnings.catch_warnings():  # PIL warns from half that limit: such photos are fine
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(path)
+        with img:
             fmt = img.format
             width, height = img.size
             if width < 1 or height < 1:
@@ -112,8 +125,11 @@ def check_image(path: str) -> str | None:
         return None
     except FileNotFoundError:
         return "dangling link or missing file"
-    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
-        return f"not a readable image ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
+    except Image.DecompressionBombError:
+        return (f"image too large (over {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, PIL's "
+                "decompression-bomb limit); downscale it")
+    except (OSError, ValueError, SyntaxError) as exc:
+        return f"not a readable image ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
 
 
 class MyDataSet(Dataset):

@@ -62,6 +62,8 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
     epochs), the last record wins, because it describes the weights the run continued from.
     """
     path = Path(path)
+    if not path.parent.exists():  # a typo in the run folder: "No metrics.jsonl in" would hide it
+        raise UsageError(f"{path.parent} does not exist; pass the --output-dir of a training run.")
     if not path.is_file():
         raise UsageError(
             f"No {METRICS_FILE} in {path.parent}; pass the --output-dir of a training run."

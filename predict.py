@@ -13,10 +13,15 @@ A full checkpoint (``checkpoint.pth``, ``model_best.pth``) carries the class lis
 on, so it works copied anywhere on its own. Bare weights need ``--class-indices``, which may be
 left out when ``class_indices.json`` sits next to the weights file or one folder above it (the
 layout training writes); they find the run's ``args.json`` the same way, and
-``--model``/``--img-size`` given on the command line always win. Each image prints
+``--model``/``--img-size`` given on the command line always win (with a warning when they differ
+from the recorded ones; with nothing recorded the image size is assumed 224 px, also with a
+warning). Folders leave out files with extensions training does not read, saying how many, and
+quoted glob patterns (``'photos/000*.jpg'``) are expanded. Each image prints
 one line on stdout, tab-separated: the path, then the top-k ``class: probability`` pairs. An
 image that cannot be read (or a dangling symlink) is reported on stderr and the rest are still
-predicted; the exit code is then 1 (so is a missing image path: one typo does not stop the rest).
+predicted; the exit code is then 1 (so is a missing image path or a pattern that matches nothing:
+one typo does not stop the rest). When the reader of stdout quits early (``| head -1``), the
+exit code is 141, as for ``cat``.
 Mistakes in the other arguments (a missing weights or class-indices file, a class list that does
 not fit the checkpoint or disagrees with the one inside it) exit with code 2.
 
@@ -34,10 +39,12 @@ From Python::
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +55,7 @@ from torch import Tensor, nn
 from torchvision.transforms import v2
 
 from model import MODELS
-from my_dataset import load_image_tensor, printable_path
+from my_dataset import check_image, load_image_tensor, printable_path
 from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, get_transforms
 
 log = logging.getLogger(__name__)
@@ -240,15 +247,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _walk_images(folder: Path) -> list[Path]:
-    """Image files anywhere below ``folder``, sorted; hidden files and folders are left out.
+def _walk_images(folder: Path) -> tuple[list[Path], list[Path]]:
+    """``(images, others)`` anywhere below ``folder``, sorted; hidden files and folders are left out.
 
     Mirrors training's folder scan (``utils.scan_image_folder``), so a dataset root predicts the
     images training would use: ``._name.jpg`` AppleDouble files and ``.git``-style folders are not
-    images. Symlinked folders are followed once (their real path is remembered), so a link back up
-    the tree cannot loop. Dangling symlinks are kept, so they are reported like unreadable images.
+    images, and ``others`` are the files whose extension is not in ``IMG_EXTENSIONS`` (.heic,
+    .jp2, none), which training skips too. Symlinked folders are followed once (their real path
+    is remembered), so a link back up the tree cannot loop. Dangling symlinks are kept, so they are
+    reported like unreadable images.
     """
     found: list[Path] = []
+    others: list[Path] = []
     seen: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         real = os.path.realpath(dirpath)
@@ -259,29 +269,50 @@ def _walk_images(folder: Path) -> list[Path]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in filenames:
             path = Path(dirpath, name)
-            if name.startswith(".") or path.suffix.lower() not in IMG_EXTENSIONS:
+            if name.startswith("."):
                 continue
-            if path.is_file() or (path.is_symlink() and not path.exists()):
+            if path.suffix.lower() not in IMG_EXTENSIONS:
+                others.append(path)
+            elif path.is_file() or (path.is_symlink() and not path.exists()):
                 found.append(path)
-    return sorted(found)
+    return sorted(found), sorted(others)
+
+
+def _left_out(others: Sequence[Path]) -> str:
+    """``"left out 3 files ... (2 .heic, 1 without extension); ..."`` for a folder's ``others``."""
+    counts = Counter(p.suffix.lower() or "without extension" for p in others)
+    kinds = ", ".join(f"{n} {suffix}" for suffix, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return (f"left out {len(others)} file{'s' if len(others) != 1 else ''} whose extension training "
+            f"does not read ({kinds}); name a file explicitly to classify it anyway")
 
 
 def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
-    """Expand folders into the image files anywhere below them (sorted); keep files as given.
+    """Expand patterns into their matches and folders into the image files anywhere below them
+    (both sorted); keep files as given.
 
     Files named explicitly are kept whatever their name or extension (and even if missing): they
-    are reported per image later, so one typo does not stop the rest of the batch.
+    are reported per image later, so one typo does not stop the rest of the batch. So is a
+    pattern that matches nothing. A folder's files with other extensions are left out, as
+    training leaves them out, with one warning per folder.
     """
     paths: list[Path] = []
     for raw in inputs:
-        path = Path(raw)
-        if path.is_dir():
-            found = _walk_images(path)
+        matches = [Path(raw)]
+        # A quoted pattern ('photos/000*.jpg') reaches us unexpanded, as it does from shells that
+        # never expand (Windows cmd); a file whose name really holds * or [ is still itself.
+        if glob.has_magic(str(raw)) and not os.path.lexists(raw):
+            matches = [Path(p) for p in sorted(glob.glob(str(raw), recursive=True))] or matches
+        for path in matches:
+            if not path.is_dir():
+                paths.append(path)
+                continue
+            found, others = _walk_images(path)
             if not found:
-                log.warning("Folder %s contains no image files (%s).", path, ", ".join(IMG_EXTENSIONS))
+                extra = f"; {_left_out(others)}" if others else ""
+                log.warning("Folder %s contains no image files (%s)%s.", path, ", ".join(IMG_EXTENSIONS), extra)
+            elif others:
+                log.warning("Folder %s: %s.", path, _left_out(others))
             paths.extend(found)
-        else:
-            paths.append(path)
     return paths
 
 
@@ -314,10 +345,7 @@ def iter_predictions(
                 tensors.append(transform(load_image(path)))
                 slots.append(i)
             except Exception as exc:  # decoders of untrusted files raise many types (OSError, SyntaxError, ...)
-                reason = str(exc)
-                if path.is_symlink() and not path.exists():  # "No such file" alone would puzzle: the link is there
-                    reason = f"dangling symlink to {os.readlink(path)}"
-                results[i] = Prediction(path, None, [], f"Cannot read image {path}: {reason}")
+                results[i] = Prediction(path, None, [], _read_error(path, exc))
         if tensors:
             logits = model(torch.stack(tensors).to(device))  # (B, 3, S, S) -> (B, C)
             if logits.shape[1] != len(class_names):
@@ -330,6 +358,20 @@ def iter_predictions(
                 pairs = [(class_names[j], p) for j, p in zip(top_idx[row].tolist(), top_probs[row].tolist())]
                 results[i] = Prediction(chunk[i], probs[row], pairs)
         yield from (r for r in results if r is not None)
+
+
+def _read_error(path: Path, exc: Exception) -> str:
+    """One sentence on why ``path`` gave no image, worded like training's scan where it can be."""
+    if path.is_symlink() and not path.exists():  # "No such file" alone would puzzle: the link is there
+        return f"Cannot read image {path}: dangling symlink to {os.readlink(path)}"
+    if not os.path.lexists(path):
+        if glob.has_magic(str(path)):  # left unexpanded by collect_images
+            return f"No file matches the pattern {path}; check the folder and the pattern."
+        return f"Cannot read image {path}: {exc}"
+    # check_image is what training's scan reports ("empty file", "image has no pixels", ...); it
+    # finds nothing wrong with a file whose damage is past the header, and then the decoder's
+    # own message is the best there is.
+    return f"Cannot read image {path}: {check_image(str(path)) or exc}"
 
 
 def predict(
@@ -413,25 +455,34 @@ def resolve_class_names(
     raise UsageError(f"{path} {what}; {fix}.")
 
 
-def _run_args_near(weights: Path) -> dict[str, Any]:
-    """The training run's ``args.json`` next to ``weights`` or one folder up, else ``{}``.
+def _run_args_near(weights: Path) -> tuple[dict[str, Any], Path | None]:
+    """The training run's ``args.json`` next to ``weights`` or one folder up and its path, else ``({}, None)``.
 
     Bare state dicts carry no args, but the run's folder records its model and img_size; without
     them a resnet18 trained at 64 px would be rebuilt as the default resnet34 at 224 px.
     """
     path = _find_run_file(weights, "args.json")
     if path is None:
-        return {}
+        return {}, None
     try:
         run_args = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         log.warning("Ignoring %s, which cannot be read as JSON (%s).", path, exc)
-        return {}
+        return {}, None
     if not isinstance(run_args, dict):
         log.warning("Ignoring %s, which is not a JSON object.", path)
-        return {}
+        return {}, None
     log.info("Bare weights: using the model and img-size recorded in %s unless given.", path)
-    return run_args
+    return run_args, path
+
+
+def _setting(flag: str, given: Any, recorded: Any, source: Path | str) -> Any:
+    """``given`` (a command-line value) if set, else ``recorded`` (training's); a disagreement is
+    worth a warning, since predictions at another size or architecture than trained are off."""
+    if given is not None and recorded is not None and given != recorded:
+        log.warning("%s %s differs from the %s recorded in %s; using %s (leave the flag out to use "
+                    "the training value).", flag, given, recorded, source, given)
+    return given if given is not None else recorded
 
 
 def main(args: argparse.Namespace) -> None:
@@ -439,12 +490,14 @@ def main(args: argparse.Namespace) -> None:
     try:
         device = resolve_device(args.device)
         state_dict, train_args, checkpoint_classes = load_checkpoint_with_classes(args.weights)
+        source: Path | str | None = f"checkpoint {args.weights}"
         if not train_args:
-            train_args = _run_args_near(args.weights)
+            train_args, source = _run_args_near(args.weights)
         class_names = resolve_class_names(args.weights, args.class_indices, checkpoint_classes)
-        # `or`, not a .get default: args.json-style records hold null for unset options.
-        model_name = args.model or str(train_args.get("model") or DEFAULT_MODEL)
-        img_size = args.img_size or int(train_args.get("img_size") or DEFAULT_IMG_SIZE)
+        # `or None`, not a .get default: args.json-style records hold null for unset options.
+        recorded_model = train_args.get("model") or None
+        recorded_size = int(train_args["img_size"]) if train_args.get("img_size") else None
+        model_name = str(_setting("--model", args.model, recorded_model, source) or DEFAULT_MODEL)
         model = build_model(model_name, state_dict, len(class_names))
         image_paths = collect_images(args.images)
         if not image_paths:
@@ -453,14 +506,28 @@ def main(args: argparse.Namespace) -> None:
         log.error("%s", exc)
         sys.exit(2)
 
+    img_size = _setting("--img-size", args.img_size, recorded_size, source)
+    if img_size is None:
+        # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
+        log.warning("No image size is recorded in %s or in an args.json next to it or one folder up; "
+                    "assuming %d px: pass the --img-size used in training.", args.weights, DEFAULT_IMG_SIZE)
+        img_size = DEFAULT_IMG_SIZE
     log.info("%s, %d classes, img-size %d, on %s", model_name, len(class_names), img_size, device)
     failed = 0
-    for pred in iter_predictions(model, image_paths, class_names, img_size, device, args.top_k, args.batch_size):
-        if pred.ok:
-            print(format_prediction(pred), flush=True)
-        else:
-            failed += 1
-            log.error("%s", pred.error)
+    try:
+        for pred in iter_predictions(model, image_paths, class_names, img_size, device, args.top_k, args.batch_size):
+            if pred.ok:
+                print(format_prediction(pred), flush=True)
+            else:
+                failed += 1
+                log.error("%s", pred.error)
+    except BrokenPipeError:
+        # The reader has quit (`predict.py photos/ | head -1`): stop quietly, as cat or grep do.
+        # 141 (128 + SIGPIPE) is the status the shell shows for them, so `set -o pipefail` scripts
+        # treat us alike; 1 would claim unreadable images. stdout goes to devnull so that Python's
+        # final flush does not fail again (docs.python.org/3/library/signal.html#note-on-sigpipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     if failed:
         log.error("%d of %d images could not be read.", failed, len(image_paths))
         sys.exit(1)
@@ -493,7 +560,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         "images",
         nargs="+",
         metavar="IMAGE",
-        help="image files, or folders searched recursively for image files (hidden ones skipped)",
+        help="image files, folders searched recursively for image files (hidden ones skipped), or quoted glob patterns",
     )
 
     group = parser.add_argument_group("model")

@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 import time
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,7 +43,7 @@ from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_am
 from my_dataset import MyDataSet
 from utils import (DataError, default_demo_root, get_transforms, make_demo_data,
                    missing_glyphs_ignored, plot_class_distribution, scan_image_folder,
-                   split_train_val, write_json_atomic)
+                   short_list, split_train_val, write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -108,8 +109,10 @@ COUNT = _number(int, 0, "a whole number of at least 0")
 POSITIVE = _number(float, math.ulp(0.0), "greater than 0")
 NON_NEGATIVE = _number(float, 0.0, "at least 0")
 SEED = _number(int, 0, "a whole number from 0 to 2**32 - 1 (numpy's seed range)", below=2**32)
-FRACTION = _number(float, math.ulp(0.0), "above 0 and below 1 (training validates every epoch)",
-                   below=1.0)
+# "~/data" reaches the script unexpanded when quoted or written --flag=~/data; expand it here.
+USER_PATH = os.path.expanduser
+FRACTION = _number(float, math.ulp(0.0), "above 0 and at most 1 (1 scores every image, with "
+                   "--eval-only)", below=math.nextafter(1.0, 2.0))
 
 
 def default_workers(batch_size: int) -> int:
@@ -124,13 +127,15 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
         formatter_class=HelpFormatter, add_help=add_help)
 
     data = parser.add_argument_group("data")
-    data.add_argument("--data-path", "--data_path", default=None,
+    data.add_argument("--data-path", "--data_path", type=USER_PATH, default=None,
                       help="folder with one sub-folder of images per class (e.g. flower_photos); "
                            "default: the generated demo dataset")
-    data.add_argument("--demo-dir", default=None,
+    data.add_argument("--demo-dir", type=USER_PATH, default=None,
                       help="where the demo dataset is generated and cached "
                            "(default: $DDP_DEMO_DATA or ~/.cache/ddp-template/demo_flowers_v1)")
-    data.add_argument("--val-rate", type=FRACTION, default=0.2, help="fraction of each class held out")
+    data.add_argument("--val-rate", type=FRACTION, default=0.2,
+                      help="fraction of each class held out for validation (with --eval-only, 1 "
+                           "scores every image of --data-path, e.g. a separate test folder)")
     data.add_argument("--img-size", type=POSITIVE_INT, default=224, help="training/validation crop size")
     data.add_argument("--num-classes", "--num_classes", type=POSITIVE_INT, default=None,
                       help="number of classes (default: the number of class folders)")
@@ -142,7 +147,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
-    model.add_argument("--weights", default=None,
+    model.add_argument("--weights", type=USER_PATH, default=None,
                        help="initial weights (state dict or checkpoint); tensors whose shape "
                             "does not fit, e.g. a 1000-class head, are skipped and listed")
     model.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
@@ -195,9 +200,9 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
         dist.add_argument("--node-rank", type=COUNT, default=0, help="this machine's index")
 
     run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", default="runs/train",
+    run.add_argument("--output-dir", type=USER_PATH, default="runs/train",
                      help="checkpoints, weights/, metrics.jsonl, TensorBoard, class_indices.json")
-    run.add_argument("--resume", default="auto",
+    run.add_argument("--resume", type=USER_PATH, default="auto",
                      help="'auto': continue from <output-dir>/checkpoint.pth if it exists; "
                           "a path; or 'none' to start fresh")
     run.add_argument("--keep-last", type=COUNT, default=0,
@@ -406,6 +411,8 @@ def _scan_on_rank0(root: str, verify: bool, info: DistInfo):
     """Scan once (rank 0) and hand every rank the same result or the same error."""
     result: Any = None
     if info.is_main:
+        # Silent seconds on a big folder look like a hang (about 5 s per 30,000 files here).
+        log.info("scanning %s%s", root, " and checking each image's header" if verify else "")
         try:
             result = scan_image_folder(root, verify=verify)
         except DataError as exc:
@@ -430,8 +437,8 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
         raise ConfigError(f"--num-classes {args.num_classes} disagrees with the {num_classes} class "
                           f"folders found in {root} ({', '.join(scan.classes)}); drop the flag "
                           "or fix the folders.")
-    train_p, train_y, val_p, val_y, warnings = split_train_val(scan.images, args.val_rate,
-                                                               args.seed, scan.classes)
+    train_p, train_y, val_p, val_y, warnings = split_train_val(
+        scan.images, args.val_rate, args.seed, scan.classes, root=scan.root)
     for warning in warnings if info.is_main else ():  # same split on every rank: say it once
         log.warning(warning)
     if not val_p:
@@ -530,25 +537,11 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
         _write_metrics(out / "metrics.jsonl", history)
 
 
-def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> nn.Module:
-    model = get_model(args.model, num_classes=num_classes)
-    if args.weights:
-        skipped, missing = load_matching_weights(model, args.weights)
-        if args.eval_only and (skipped or missing):
-            unfit = [*skipped, *missing]
-            raise ConfigError(f"--eval-only: {len(unfit)} tensor(s) of --model {args.model} with "
-                              f"{num_classes} classes are missing from or do not fit "
-                              f"{args.weights} (e.g. {unfit[0]}), so the accuracy would be "
-                              "meaningless; pass the --model and data it was trained with.")
-        log.info("loaded %s; skipped %d tensor(s) that do not fit%s; %d left as initialised%s",
-                 args.weights, len(skipped), f" ({', '.join(skipped)})" if skipped else "",
-                 len(missing), f" ({', '.join(missing)})" if missing else "")
-        # A new head (another class count) is expected; a backbone left as initialised is not.
-        backbone = [k for k in (*skipped, *missing) if not k.startswith("fc.")]
-        if backbone and info.is_main:
-            log.warning("%d backbone tensor(s) of --model %s were not loaded from %s (e.g. %s): "
-                        "that part trains from scratch; were the weights made for another "
-                        "--model?", len(backbone), args.model, args.weights, backbone[0])
+def _build_model(args: argparse.Namespace, info: DistInfo, classes: list[str], *,
+                 load_weights: bool = True) -> nn.Module:
+    model = get_model(args.model, num_classes=len(classes))
+    if args.weights and load_weights:
+        _load_weights(model, args, info, classes)
     if args.freeze_layers:
         for name, param in model.named_parameters():
             param.requires_grad_(name.startswith("fc."))
@@ -557,6 +550,44 @@ def _build_model(args: argparse.Namespace, info: DistInfo, num_classes: int) -> 
     if args.freeze_layers:
         _hold_frozen_norms(model)
     return model
+
+
+def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
+                  classes: list[str]) -> None:
+    """Start ``model`` from ``--weights``: every tensor that fits by name and shape, and says
+    what did not (rank 0). A head trained on other class names starts new, as for another
+    class count: kept, it would map the old class i to the new class i."""
+    source = load_file(args.weights)
+    trained_on = source.get("classes") if _is_checkpoint(source) else None
+    new_head = (trained_on is not None and list(trained_on) != list(classes)
+                and not args.eval_only)  # eval-only refuses other classes in _check_checkpoint
+    skipped, missing = load_matching_weights(model, args.weights, source=source,
+                                             leave_out=("fc.",) if new_head else ())
+    own = model.state_dict().keys()
+    if args.eval_only and (skipped or missing):
+        unfit = sorted(set(skipped) | set(missing))
+        raise ConfigError(f"--eval-only: {len(unfit)} tensor(s) of --model {args.model} with "
+                          f"{len(classes)} classes are missing from or do not fit "
+                          f"{args.weights} (e.g. {unfit[0]}), so the accuracy would be "
+                          "meaningless; pass the --model and data it was trained with.")
+    if not info.is_main:  # every rank loads the same: said once
+        return
+    head = [k for k in missing if k.startswith("fc.")]
+    log.info("loaded %s into --model %s: %d of its %d tensors%s", args.weights, args.model,
+             len(own) - len(missing), len(own),
+             "" if not head else f"; the classifier ({short_list(head, 3)}) starts new for "
+             f"{len(classes)} classes" + (f" (it was trained on {short_list(trained_on, 5)})"
+                                          if new_head else ""))
+    extra = [k for k in skipped if k not in own]
+    if extra:
+        log.warning("%s holds %d tensor(s) that --model %s does not have (%s), left out; were "
+                    "the weights made for a deeper --model?", args.weights, len(extra),
+                    args.model, short_list(extra, 3))
+    backbone = [k for k in missing if not k.startswith("fc.")]
+    if backbone:  # a new head is expected, a backbone left as initialised is not
+        log.warning("%d backbone tensor(s) of --model %s were not loaded from %s (%s): that "
+                    "part trains from scratch; were the weights made for another --model?",
+                    len(backbone), args.model, args.weights, short_list(backbone, 3))
 
 
 def _check_norm_batch(args: argparse.Namespace, info: DistInfo, model: nn.Module) -> None:
@@ -659,11 +690,16 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
                               "--output-dir.")
     # Labels are folder indices: the same count in another order would train on wrong labels.
     trained_on = ckpt.get("classes")
-    if trained_on is not None and list(trained_on) != list(classes):
-        diff = sorted(set(trained_on) ^ set(classes)) or ["same names, other order"]
-        raise CheckpointError(f"{path} was trained on the classes {', '.join(trained_on)} but "
-                              f"the data has {', '.join(classes)} ({', '.join(diff)}), so its "
-                              f"labels would be wrong; {redo}.")
+    if trained_on is not None:  # compared in NFC, as the scan names them (a macOS copy is NFD)
+        trained_on = [unicodedata.normalize("NFC", c) for c in trained_on]
+    if trained_on is not None and trained_on != list(classes):
+        gone = [c for c in trained_on if c not in classes]
+        new = [c for c in classes if c not in trained_on]
+        diff = "; ".join([f"not in the data: {short_list(gone, 5)}"] * bool(gone)
+                         + [f"new: {short_list(new, 5)}"] * bool(new)) or "same names, other order"
+        raise CheckpointError(f"{path} was trained on the classes {short_list(trained_on)} but "
+                              f"the data has {short_list(classes)} ({diff}), so its labels would "
+                              f"be wrong; {redo}.")
     if trained_on is None and saved.get("num_classes", len(classes)) != len(classes):
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
                               f"has {len(classes)}; {redo}.")
@@ -675,14 +711,30 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
                               "draws another train/validation split, so validation would include "
                               "images it trained on; resume with the values it was trained with, "
                               "or start over with --resume none or another --output-dir.")
-    if redrawn and warn:
+    if redrawn and warn and args.val_rate >= 1:
+        log.info("--val-rate 1: scoring every image of %s (should it hold images %s trained on, "
+                 "the accuracy is optimistic).", args.data_path or "the demo data", path)
+    elif redrawn and warn:
         log.warning("%s was trained with %s: this evaluation draws another validation split, "
                     "which may include images it trained on; pass the values it was trained "
                     "with to score it on its own validation images.", path, ", ".join(redrawn))
-    elif val_split is not None and ckpt.get("val_split", val_split) != val_split and warn:
-        log.warning("the validation images differ from those %s was validated on (the data "
-                    "changed): validation may now include images it trained on, and val "
-                    "accuracy is not comparable with earlier epochs.", path)
+    elif val_split is not None and ckpt.get("val_split", val_split) != val_split:
+        if not ckpt["val_split"].startswith(SPLIT_SCHEME):
+            old_split = (f"{path} was made by an earlier version of this template, which drew "
+                         "the validation split another way, so validation would include images "
+                         "it trained on")
+            if not args.eval_only:
+                raise CheckpointError(f"{old_split}; finish it with the version that started "
+                                      "it, or start over with --resume none or another "
+                                      "--output-dir.")
+            if warn:
+                log.warning("%s; this evaluation's accuracy is optimistic.", old_split)
+        elif warn:
+            log.warning("the validation images differ from those %s was validated on (images "
+                        "were added, removed or renamed): val accuracy is not comparable with "
+                        "earlier epochs. No image it trained on moved into validation: a file's "
+                        "side of the split depends only on its name and --seed (a renamed file "
+                        "counts as new).", path)
     frozen = saved.get("freeze_layers", args.freeze_layers)
     if frozen != args.freeze_layers and not args.eval_only:
         # The optimizer state holds one entry per trainable tensor: it cannot be carried over.
@@ -853,6 +905,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         raise ConfigError(f"--output-dir {out} is inside the data folder {data_root}, where its "
                           "files would be read as images of a class; choose an output folder "
                           "outside it.")
+    if args.val_rate >= 1 and not args.eval_only:
+        raise ConfigError("--val-rate 1 leaves no image for training; it is for --eval-only "
+                          "(score every image of a test folder), else use a fraction below 1.")
     if not args.eval_only:  # evaluation writes nothing
         _check_on_rank0(_claim_output_dir, args, out, info=info)
         if args.tensorboard:  # found now, not as a traceback after the data scan
@@ -870,9 +925,15 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     num_classes = len(classes)
     val_split = _split_digest(scan.root, val_set.images_path)
 
-    model = _build_model(args, info, num_classes)
-    _check_norm_batch(args, info, model)
     resume_path = _resolve_resume(args, out)
+    if args.freeze_layers and not args.weights and resume_path is None and not args.eval_only:
+        raise ConfigError("--freeze-layers trains only the classifier (fc) on the features of "
+                          "--weights, but no --weights was given, so the frozen layers would stay "
+                          "random; give pretrained --weights or drop --freeze-layers.")
+    # A resumed run's weights come from its checkpoint: --weights only started it, and may be
+    # gone by now (a scratch file, a relative path from another folder) without stopping a rerun.
+    model = _build_model(args, info, classes, load_weights=resume_path is None)
+    _check_norm_batch(args, info, model)
     ckpt = (_load_checkpoint(resume_path, args, classes, warn=info.is_main, val_split=val_split)
             if resume_path else None)
     if args.eval_only and args.weights and _is_checkpoint(weights := load_file(args.weights)):
@@ -961,9 +1022,15 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                 if scale_lr else "the learning rate is kept (--no-scale-lr)")
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
-        log.info("resumed from %s: epoch %d done, best val acc %.4f%s", resume_path,
-                 ckpt["epoch"], best_acc, f" (its weights replace --weights {args.weights}, "
-                 "which only started the run)" if args.weights else "")
+        if args.eval_only:
+            best = Path(resume_path).with_name("model_best.pth")
+            log.info("evaluating %s: epoch %d%s", resume_path, ckpt["epoch"],
+                     f" (the last saved; the best, val acc {best_acc:.4f}, is {best})"
+                     if Path(resume_path).name == "checkpoint.pth" and best.is_file() else "")
+        else:
+            log.info("resumed from %s: epoch %d done, best val acc %.4f%s", resume_path,
+                     ckpt["epoch"], best_acc, f" (--weights {args.weights} only started the run "
+                     "and is not read again)" if args.weights else "")
 
     if args.eval_only:
         result = evaluate(model, val_loader, device, amp_dtype=amp_dtype, channels_last=channels_last)
@@ -1037,13 +1104,13 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                    ("images_per_sec", record["train_images_per_sec"])):
                     if value is not None:
                         writer.add_scalar(tag, value, epoch)
-                if epoch == args.epochs - 1:
-                    with missing_glyphs_ignored():  # drawn here, with the class names
-                        writer.add_figure("confusion_matrix", _confusion_figure(result, classes),
-                                          epoch)
                 writer.flush()
         with _signals_held():  # on every rank: a stop now waits until the epoch is on disk
             _check_on_rank0(_save_epoch, out, state, record, is_best, args.keep_last, info=info)
+        if writer and epoch == args.epochs - 1:  # after the save: the epoch is kept first
+            with missing_glyphs_ignored():
+                writer.add_figure("confusion_matrix", _confusion_figure(result, classes), epoch)
+            writer.flush()
     if writer:
         writer.close()
         step_writer.close()
@@ -1081,6 +1148,10 @@ def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_bes
             f.write(json.dumps(record) + "\n")
         shutil.rmtree(out / PREVIOUS_RUN, ignore_errors=True)  # replaced now (--resume none)
     except OSError as exc:  # disk full, quota, file-size limit, storage gone
+        if not out.is_dir():
+            raise RunError(f"could not save epoch {epoch}: the folder {out} is gone (moved or "
+                           "deleted during the run); to continue, run the command again with "
+                           "--output-dir set to where the folder is now.") from None
         done = "the start"
         if (out / "checkpoint.pth").is_file():
             done = "the last complete checkpoint"
@@ -1092,11 +1163,17 @@ def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_bes
                        f"{done}.") from None
 
 
+# Prefix of _split_digest for the per-file hash split; fingerprints without it (earlier versions
+# drew k images per class) cannot be resumed without a leak.
+SPLIT_SCHEME = "hash1:"
+
+
 def _split_digest(root: str | os.PathLike, paths: list[str]) -> str:
     """A short fingerprint of which files are validation images (relative to the data root, so
-    a moved data set keeps it)."""
+    a moved data set keeps it), prefixed by the split scheme."""
     names = sorted(os.path.relpath(p, root) for p in paths)
-    return hashlib.sha256("\n".join(names).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    digest = hashlib.sha256("\n".join(names).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return SPLIT_SCHEME + digest
 
 
 def _rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
@@ -1171,31 +1248,43 @@ def _tensorboard(args, info: DistInfo, out: Path, start_epoch: int, steps_per_ep
     return writer, step_writer
 
 
+CONFUSION_NAMES, CONFUSION_COUNTS = 60, 22  # class names on the axes, counts in the cells
+
+
 def _confusion_figure(result: EvalResult, classes: list[str]):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cm = result.confusion.numpy()
-    fig, ax = plt.subplots(figsize=(1 + 0.5 * len(classes), 1 + 0.5 * len(classes)))
-    ax.imshow(cm, cmap="Blues")
-    ax.set_xticks(range(len(classes)), classes, rotation=90)
-    ax.set_yticks(range(len(classes)), classes)
+    cm, n = result.confusion.numpy(), len(classes)
+    # Half an inch per class up to 12 inches (1200 px), then the cells shrink: the figure of
+    # 1000 classes would otherwise be 50,000 px square and take tens of GB to draw.
+    side = min(1 + 0.5 * n, 12)
+    fig, ax = plt.subplots(figsize=(side, side))
+    ax.imshow(cm, cmap="Blues", interpolation="nearest")
+    if n <= CONFUSION_NAMES:
+        ax.set_xticks(range(n), classes, rotation=90)
+        ax.set_yticks(range(n), classes)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
-    for (i, j), v in np.ndenumerate(cm):
-        ax.text(j, i, str(v), ha="center", va="center", fontsize=7)
+    if n <= CONFUSION_COUNTS:  # a count per cell while it still fits
+        for (i, j), v in np.ndenumerate(cm):
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=7)
     fig.tight_layout()
     return fig
 
 
+
 def _report_eval(result: EvalResult, classes: list[str]) -> None:
-    lines = [f"val images: {result.num_samples}", f"top-1 accuracy: {result.top1:.4f}"]
+    seen = result.confusion.sum(1).tolist()  # images per true class in the validation split
+    lines = ["accuracy per class:"]
+    lines += [f"  {name}: {acc:.4f} ({n} image{'s' * (n != 1)})" if n else
+              f"  {name}: n/a (no images)" for name, acc, n in zip(classes, result.per_class_acc,
+                                                                   seen)]
+    # The summary comes last, so a long class list does not scroll it away.
+    lines += [f"val images: {result.num_samples}", f"top-1 accuracy: {result.top1:.4f}"]
     if result.top5 is not None:
         lines.append(f"top-5 accuracy: {result.top5:.4f}")
     lines.append(f"val loss: {result.loss:.4f}")
-    seen = result.confusion.sum(1).tolist()  # images per true class in the validation split
-    lines += [f"  {name}: {acc:.4f} ({n} images)" if n else f"  {name}: n/a (no images)"
-              for name, acc, n in zip(classes, result.per_class_acc, seen)]
     log.info("\n".join(lines))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -11,6 +12,7 @@ import random
 import shutil
 import stat
 import tempfile
+import unicodedata
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +29,9 @@ from my_dataset import check_image, printable_path
 
 log = logging.getLogger(__name__)
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".avif")
+# Folder names that mean "already split" (train/val/class/img), not classes.
+SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "test", "testing"}
 
 
 class DataError(ValueError):
@@ -52,15 +56,21 @@ class FolderScan:
             lines.append(f"dropped {len(self.dropped_classes)} class folder(s) with no usable "
                          f"image: {', '.join(self.dropped_classes)}")
         if self.skipped:
-            reasons: dict[str, int] = {}
-            for _, why in self.skipped:
-                key = why.split(" (")[0]
-                reasons[key] = reasons.get(key, 0) + 1
+            by_reason: dict[str, list[tuple[str, str]]] = {}
+            for path, why in self.skipped:
+                by_reason.setdefault(why.split(" (")[0], []).append((path, why))
             lines.append(f"skipped {len(self.skipped)} file(s): "
-                         + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
-            lines += [f"  skipped {p}: {why}" for p, why in self.skipped[:20]]
-            if len(self.skipped) > 20:
-                lines.append(f"  ... and {len(self.skipped) - 20} more (see skipped_files.txt)")
+                         + ", ".join(f"{len(v)} {why}" for why, v in sorted(by_reason.items())))
+            if "not an image extension" in by_reason:
+                lines[-1] += f" (read: {' '.join(IMG_EXTENSIONS)})"
+            # Up to 20 examples, shared among the reasons: 30 sidecar .txt files must not hide
+            # the one corrupt image.
+            each = max(1, 20 // len(by_reason))
+            shown = sorted(x for items in by_reason.values() for x in items[:each])
+            lines += [f"  skipped {p}: {why}" for p, why in shown]
+            if len(self.skipped) > len(shown):
+                lines.append(f"  ... and {len(self.skipped) - len(shown)} more (see "
+                             "skipped_files.txt)")
         return "\n".join(lines)
 
 
@@ -148,8 +158,12 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
             raise DataError(f"class folder {printable_path(name)} in {root} has a name that is "
                             "not valid UTF-8; rename it (class names are written to "
                             "class_indices.json and checkpoints).")
-
-    skipped: list[tuple[str, str]] = []
+    _check_class_names(root, class_names)
+    # Images next to the class folders belong to no class: listed, not silently left out.
+    skipped: list[tuple[str, str]] = [
+        (os.path.join(root, n), "image in the data root, not in a class folder")
+        for n in sorted(names) if n.lower().endswith(IMG_EXTENSIONS) and not n.startswith(".")
+        and os.path.isfile(os.path.join(root, n))]
     candidates: list[list[str]] = []
     first_of: dict[str, str] = {}  # real path -> first path found for it
     for name in class_names:
@@ -185,7 +199,8 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
 
     classes, images, dropped = [], [], []
     for name, paths in zip(class_names, candidates):
-        (classes if paths else dropped).append(name)
+        # The NFC form: "café" copied from macOS (NFD) is the same class as typed elsewhere.
+        (classes if paths else dropped).append(unicodedata.normalize("NFC", name))
         if paths:
             images.append(paths)
     # Reported paths must survive being written as UTF-8, whatever bytes the disk holds.
@@ -201,34 +216,85 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
     return scan
 
 
-def split_train_val(images: Sequence[Sequence[str]], val_rate: float, seed: int = 0,
-                    class_names: Sequence[str] | None = None
-                    ) -> tuple[list[str], list[int], list[str], list[int], list[str]]:
-    """Stratified split: round(n * val_rate) images of each class (at least one when n >= 2).
+def _check_class_names(root: str, class_names: list[str]) -> None:
+    """Refuse class folders that are not classes: a data set already split into train/ and
+    val/ (it would train two classes, "train" and "val"), or two folders with one name written
+    in two Unicode forms (NFC/NFD: two classes that look the same)."""
+    def has_sub_folders(name: str) -> bool:
+        try:
+            with os.scandir(os.path.join(root, name)) as entries:
+                return any(e.is_dir() for e in entries)
+        except OSError:  # reported by the walk
+            return False
 
-    Deterministic for a given seed and file list. Returns train paths/labels, val paths/labels
-    and warnings (classes with no val image).
+    if {n.lower() for n in class_names} <= SPLIT_NAMES and all(map(has_sub_folders, class_names)):
+        first = min(class_names, key=lambda n: n.lower() not in ("train", "training"))
+        raise DataError(f"data path {root} holds {', '.join(class_names)}, which look like the "
+                        "parts of a data set that is already split, not classes; pass "
+                        f"--data-path {os.path.join(root, first)} (this template holds out "
+                        "--val-rate of it for validation).")
+    seen: dict[str, str] = {}
+    for name in class_names:
+        other = seen.setdefault(unicodedata.normalize("NFC", name), name)
+        if other != name:
+            raise DataError(f"class folders {ascii(other)} and {ascii(name)} in {root} are one "
+                            "name written in two Unicode forms (NFC and NFD, e.g. after a copy "
+                            "from macOS), so they would be two classes that look the same; move "
+                            "the images of one into the other.")
+
+
+def split_key_fraction(seed: int, key: str) -> float:
+    """Where a file falls in [0, 1) for the split: a hash of ``--seed`` and its key (its path
+    relative to the data root), the same on every machine, rank and Python run."""
+    digest = hashlib.sha256(f"{seed}\0{key}".encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
+
+
+def split_train_val(images: Sequence[Sequence[str]], val_rate: float, seed: int = 0,
+                    class_names: Sequence[str] | None = None, *, root: str | None = None
+                    ) -> tuple[list[str], list[int], list[str], list[int], list[str]]:
+    """Stratified split in which each file's side depends only on ``seed`` and its own name.
+
+    A file goes to validation when the hash of ``(seed, its path relative to root)`` falls below
+    ``val_rate``, so each class gets about ``n * val_rate`` validation images. Unlike drawing
+    ``k`` images per class (the classic template), adding or removing images never moves another
+    file across: a run resumed on a grown data set validates on no image it trained on, and a
+    moved data root splits the same way (the scheme of TensorFlow's speech_commands
+    ``which_set``). Without ``root`` the paths as given are hashed. Returns train paths/labels,
+    val paths/labels and warnings (classes with no validation or no training image, one line
+    for each kind). ``val_rate=1`` puts every image in validation (evaluation of a test set).
     """
-    if not 0 <= val_rate < 1:
-        raise DataError(f"--val-rate {val_rate} must be in [0, 1).")
-    rng = random.Random(seed)
-    train_p, train_y, val_p, val_y, warnings = [], [], [], [], []
+    if not 0 <= val_rate <= 1:
+        raise DataError(f"--val-rate {val_rate} must be in [0, 1].")
+    train_p, train_y, val_p, val_y = [], [], [], []
+    no_val, no_train = [], []
     for label, paths in enumerate(images):
-        k = round(len(paths) * val_rate)
-        if val_rate > 0 and len(paths) >= 2:
-            k = min(max(k, 1), len(paths) - 1)
-        chosen = set(rng.sample(list(paths), k=k))
-        if k == 0 and val_rate > 0:
-            name = class_names[label] if class_names else label
-            warnings.append(f"class {name} has {len(paths)} image(s): none goes to validation")
-        for path in paths:
-            if path in chosen:
-                val_p.append(path)
-                val_y.append(label)
-            else:
-                train_p.append(path)
-                train_y.append(label)
+        in_val = [val_rate > 0 and split_key_fraction(
+            seed, os.path.relpath(p, root) if root else p) < val_rate for p in paths]
+        name = str(class_names[label]) if class_names else str(label)
+        if paths and not any(in_val) and val_rate > 0:
+            no_val.append(f"{name} ({len(paths)})")
+        if paths and all(in_val) and val_rate < 1:  # 1: evaluation of every image
+            no_train.append(f"{name} ({len(paths)})")
+        for path, val in zip(paths, in_val):
+            (val_p if val else train_p).append(path)
+            (val_y if val else train_y).append(label)
+    warnings = []
+    if no_val:
+        warnings.append(f"{len(no_val)} class(es) got no validation image, so their accuracy is "
+                        f"not measured (images per class in brackets): {short_list(no_val)}; add "
+                        "images or raise --val-rate")
+    if no_train:
+        warnings.append(f"{len(no_train)} class(es) got no training image, all theirs went to "
+                        f"validation: {short_list(no_train)}; add images or lower --val-rate")
     return train_p, train_y, val_p, val_y, warnings
+
+
+def short_list(items: Sequence[str], n: int = 10) -> str:
+    """``a, b, c`` for a short list, the first ``n`` and a count (``... and 95 more``) for a
+    long one: a list a log line can hold."""
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
 
 
 def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
@@ -249,7 +315,7 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, 
     scan = scan_image_folder(root, verify=verify)
     log.info(scan.summary())
     train_p, train_y, val_p, val_y, warnings = split_train_val(scan.images, val_rate, seed,
-                                                               scan.classes)
+                                                               scan.classes, root=scan.root)
     for warning in warnings:
         log.warning(warning)
     if output_dir is not None and is_main_process():
@@ -278,10 +344,12 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     import matplotlib.pyplot as plt
 
     counts = [len(x) for x in scan.images]
-    fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(counts) + 2), 4))
+    # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
+    fig, ax = plt.subplots(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
     bars = ax.bar(range(len(counts)), counts, align="center")
-    ax.bar_label(bars)
-    ax.set_xticks(range(len(counts)), scan.classes, rotation=45 if len(counts) > 6 else 0)
+    if len(counts) <= 60:  # names and counts while they fit
+        ax.bar_label(bars)
+        ax.set_xticks(range(len(counts)), scan.classes, rotation=45 if len(counts) > 6 else 0)
     ax.set_xlabel("image class")
     ax.set_ylabel("number of images")
     ax.set_title("class distribution")
@@ -292,15 +360,30 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def _centre_of_strip(img: torch.Tensor, max_ratio: float = 2.0) -> torch.Tensor:
+    """Crop the long side of ``(..., H, W)`` to ``max_ratio`` x the short side, centred.
+
+    The val centre crop keeps only the middle of the resized image anyway, so the result is the
+    same; without it a 2 x 20000 strip, resized to a 256 px short side, is 2.5 gigapixels.
+    """
+    h, w = img.shape[-2:]
+    side = math.ceil(max_ratio * min(h, w))
+    if max(h, w) <= side:
+        return img
+    return v2.functional.center_crop(img, [min(h, side), min(w, side)])
+
+
 def get_transforms(img_size: int) -> dict[str, v2.Compose]:
     """The template's augmentations on ``uint8 (3, H, W)`` tensors (normalised later, on device).
 
-    Val resizes the short side to ``img_size * 256 / 224`` then centre-crops, as for ImageNet.
+    Val resizes the short side to ``img_size * 256 / 224`` then centre-crops, as for ImageNet
+    (after cutting an extreme strip down to its middle: same result, bounded memory).
     """
     return {
         "train": v2.Compose([v2.RandomResizedCrop(img_size, antialias=True),
                              v2.RandomHorizontalFlip()]),
-        "val": v2.Compose([v2.Resize(int(img_size * 256 / 224), antialias=True),
+        "val": v2.Compose([v2.Lambda(_centre_of_strip),
+                           v2.Resize(int(img_size * 256 / 224), antialias=True),
                            v2.CenterCrop(img_size)]),
     }
 

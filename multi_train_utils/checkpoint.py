@@ -83,7 +83,13 @@ def load_file(path: str | os.PathLike) -> Any:
         if not is_zip:  # torch's own message would suggest weights_only=False: never for this
             raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (not a complete "
                                   "zip archive: truncated, corrupt or another format).") from None
-        detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # torch's message has colours
+        if "Weights only load failed" in text:
+            raise CheckpointError(f"{path} holds Python objects, not only tensors (e.g. a whole "
+                                  "model saved with torch.save(model)), which are not loaded, for "
+                                  "safety; if you trust it, load it yourself and save "
+                                  "model.state_dict() instead.") from None
+        detail = text.splitlines()[0][:160] if text else ""
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint "
                               f"({type(exc).__name__}{': ' + detail if detail else ''}).") from None
 
@@ -115,13 +121,15 @@ def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Ten
     return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in obj.items()}
 
 
-def load_matching_weights(model: nn.Module, path: str | os.PathLike
-                          ) -> tuple[list[str], list[str]]:
+def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, source: Any = None,
+                          leave_out: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """Load the tensors of ``path`` whose names and shapes fit ``model`` (e.g. all but a new
-    classifier head). Returns (skipped keys of the file, model keys left as initialised)."""
-    state = extract_state_dict(load_file(path), path)
+    classifier head), except names starting with ``leave_out``; ``source``: the file's content
+    when already loaded. Returns (skipped keys of the file, model keys left as initialised)."""
+    state = extract_state_dict(load_file(path) if source is None else source, path)
     own = model.state_dict()
-    fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    fitting = {k: v for k, v in state.items()
+               if k in own and own[k].shape == v.shape and not k.startswith(leave_out)}
     if not fitting:
         raise CheckpointError(f"no tensor in {path} matches the model by name and shape; is it "
                               "weights for another architecture?")

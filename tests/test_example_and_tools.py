@@ -118,6 +118,16 @@ def test_class_names_in_any_script_plot_without_glyph_warnings(tmp_path):
         assert img.format == "PNG"
 
 
+def test_class_distribution_of_many_classes_stays_a_readable_size(tmp_path):
+    from utils import FolderScan, plot_class_distribution
+
+    scan = FolderScan(root=str(tmp_path), classes=[f"c{i}" for i in range(1200)],
+                      images=[["x"] * (i % 7 + 1) for i in range(1200)])
+    plot_class_distribution(scan, tmp_path / "classes.png")
+    with Image.open(tmp_path / "classes.png") as img:
+        assert img.width <= 2400  # 1200 classes at 0.6 inch each would be 72,000 px
+
+
 def test_read_split_data_writes_class_indices_and_distribution(tiny_data, tmp_path):
     train_p, train_y, val_p, val_y = read_split_data(str(tiny_data), plot_image=True,
                                                      output_dir=str(tmp_path))
@@ -174,6 +184,22 @@ def _scalars(logdir: Path, tag: str) -> list:
     return acc.Scalars(tag)
 
 
+@pytest.mark.parametrize("n, names, counts", [(5, True, True), (40, True, False),
+                                              (400, False, False)])
+def test_confusion_matrix_figure_stays_small_with_many_classes(n, names, counts):
+    from multi_train_utils.train_eval_utils import EvalResult
+    from train_common import _confusion_figure
+
+    confusion = torch.eye(n, dtype=torch.int64) * 3
+    result = EvalResult(3 * n, top5_correct=3 * n, num_samples=3 * n, loss_sum=0.0,
+                        confusion=confusion)
+    fig = _confusion_figure(result, [f"class{i}" for i in range(n)])
+    (ax,) = fig.axes
+    assert max(fig.get_size_inches() * fig.dpi) <= 1200  # 400 classes: not 20,000 px square
+    assert (len(ax.get_xticklabels()) == n) == names
+    assert len(ax.texts) == (n * n if counts else 0)
+
+
 def test_resumed_run_continues_every_tensorboard_curve(tb_run, tiny_data, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(tb_run, out)
@@ -201,7 +227,7 @@ def test_eval_only_reports_accuracy_without_training(tb_run, tiny_data, tmp_path
     assert top1 == pytest.approx(record["val_acc"], abs=1e-4)  # same weights, same val split
     classes = json.loads((tb_run / "class_indices.json").read_text()).values()
     per_class = {m[0]: (float(m[1]), int(m[2]))
-                 for m in re.findall(r"^\s+(\w+): ([\d.]+) \((\d+) images\)$", text, re.M)}
+                 for m in re.findall(r"^\s+(\w+): ([\d.]+) \((\d+) images?\)$", text, re.M)}
     assert set(per_class) == set(classes) and all(0 <= v <= 1 for v, _ in per_class.values())
     # Every validation image in exactly one class, and the accuracies add up to the top-1.
     total = int(re.search(r"val images: (\d+)", text).group(1))

@@ -145,10 +145,10 @@ def test_sync_bn_flag_rejects_nonsense(capsys):
     (["--batch-size", "0"], "--batch_size: must be a whole number of at least 1, not 0"),
     (["--lr", "nan"], "--lr: must be greater than 0, not nan"),
     (["--workers", "-1"], "--workers: must be a whole number of at least 0, not -1"),
-    (["--val-rate", "1"], "--val-rate: must be above 0 and below 1 (training validates every "
-                          "epoch), not 1"),
-    (["--val-rate", "0"], "--val-rate: must be above 0 and below 1"),
-    (["--val-rate", "-0.1"], "--val-rate: must be above 0 and below 1"),
+    (["--val-rate", "1.5"], "--val-rate: must be above 0 and at most 1 (1 scores every image, "
+                            "with --eval-only), not 1.5"),
+    (["--val-rate", "0"], "--val-rate: must be above 0 and at most 1"),
+    (["--val-rate", "-0.1"], "--val-rate: must be above 0 and at most 1"),
     (["--val-rate", "a"], "--val-rate: invalid float value: 'a'"),
     (["--seed", "-1"], "--seed: must be a whole number from 0 to 2**32 - 1 (numpy's seed range), "
                        "not -1"),
@@ -175,7 +175,7 @@ def test_the_largest_seed_works_on_every_rank():
 @pytest.mark.parametrize("flag, sync_layers", [("--syncBN", 20), ("--no-syncBN", 0)])
 def test_sync_bn_really_switches(flag, sync_layers):
     args = get_args_parser().parse_args(["--model", "resnet18", flag])
-    model = _build_model(args, DistInfo(world_size=2), num_classes=5)
+    model = _build_model(args, DistInfo(world_size=2), [f"c{i}" for i in range(5)])
     kinds = [type(m) for m in model.modules()]
     assert kinds.count(SyncBatchNormCPU) == sync_layers
     assert (torch.nn.BatchNorm2d in kinds) == (sync_layers == 0)
@@ -189,5 +189,5 @@ def test_template_aliases_parse():
 
 def test_freeze_layers_trains_only_fc():
     args = get_args_parser().parse_args(["--model", "resnet18", "--freeze-layers"])
-    model = _build_model(args, DistInfo(), num_classes=5)
+    model = _build_model(args, DistInfo(), [f"c{i}" for i in range(5)])
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}

@@ -246,3 +246,15 @@ def test_default_label_names_only_what_took_effect(run_args, label, tmp_path: Pa
     run.mkdir()
     (run / "args.json").write_text(json.dumps(run_args))
     assert plot_results.default_label(run) == label
+
+
+@pytest.mark.parametrize("given", ["nothere", "nothere/metrics.jsonl"])
+def test_run_dir_that_does_not_exist_is_named_so(
+    tmp_path: Path, given: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        code = _main_exit_code(tmp_path / given, "--out-dir", tmp_path / "plots")
+
+    assert code == 2
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert message == f"{tmp_path / 'nothere'} does not exist; pass the --output-dir of a training run."

@@ -430,3 +430,119 @@ def test_a_gpu_index_that_is_not_there_is_a_usage_error(monkeypatch):
     with pytest.raises(predict.UsageError, match=re.escape(
             "--device cuda:7: only 2 GPU(s) are visible (cuda:0 to cuda:1).")):
         predict.resolve_device("cuda:7")
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_img_size_from_nowhere_warns_and_a_flag_against_args_json_warns(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Bare weights copied alone: no record of the 64 px they were trained at.
+    weights = tmp_path / "lone" / "model-2.pth"
+    weights.parent.mkdir()
+    weights.write_bytes((run["dir"] / "weights" / "model-2.pth").read_bytes())
+    image = run["images"][0]
+    flags = ["--weights", weights, "--model", "resnet18", "--class-indices", run["dir"] / "class_indices.json",
+             "--top-k", "1", image]
+
+    def top1(*extra: str | Path) -> float:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert _main(*flags, *extra) == 0, _errors(caplog)
+        (line,) = capsys.readouterr().out.splitlines()
+        return float(PAIR.match(line.split("\t")[1])["prob"])
+
+    assert top1() == pytest.approx(_expected_probs(run["model"], image, img_size=224).max().item(), abs=6e-4)
+    (warning,) = _warnings(caplog)
+    assert str(weights) in warning and "assuming 224 px" in warning and "--img-size" in warning
+
+    (weights.parent / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": IMG_SIZE}))
+    assert top1() == pytest.approx(_expected_probs(run["model"], image).max().item(), abs=6e-4)
+    assert _warnings(caplog) == []
+
+    assert top1("--img-size", "32") == pytest.approx(
+        _expected_probs(run["model"], image, img_size=32).max().item(), abs=6e-4)
+    (warning,) = _warnings(caplog)
+    assert warning.startswith(f"--img-size 32 differs from the {IMG_SIZE} recorded in {weights.parent / 'args.json'}")
+
+
+def test_reader_quitting_early_exits_141_without_a_traceback(run: dict) -> None:
+    # `predict.py photos/ | head -1`: the pipe's reading end is gone; closing it before the first
+    # line makes the broken pipe certain instead of a race with head.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "predict.py"), "--weights", str(run["dir"] / "checkpoint.pth"),
+             str(run["dir"] / "images")],
+            cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+        )
+    finally:
+        os.close(write_end)
+
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
+def test_quoted_glob_patterns_are_expanded_and_one_matching_nothing_fails(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    images = run["dir"] / "images"
+    nothing = tmp_path / "none*.jpg"
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", run["dir"] / "checkpoint.pth", images / "[cb]_*", nothing)
+
+    assert code == 1
+    shown = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
+    assert shown == [str(images / "b_gray.PNG"), str(images / "c_rgba.png")]  # sorted
+    assert [e for e in _errors(caplog) if "could not be read" not in e] == [
+        f"No file matches the pattern {nothing}; check the folder and the pattern."
+    ]
+    literal = _noise_image(tmp_path / "x[1].jpg", (40, 40), "RGB", seed=11)  # a name, not a pattern
+    _noise_image(tmp_path / "x1.jpg", (40, 40), "RGB", seed=12)
+    assert predict.collect_images([literal]) == [literal]
+
+
+def test_folder_reports_files_training_would_not_read_but_named_ones_are_read(
+    run: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    good = _noise_image(folder / "a.jpg", (40, 40), "RGB", seed=13)
+    # PNG bytes under an iPhone-style name: PIL will not write HEIC, and the decoders read by content.
+    heic = [_noise_image(folder / f"{name}.png", (40, 40), "RGB", seed=14).rename(folder / f"{name}.HEIC")
+            for name in ("b", "c")]
+    (folder / "d.psd").write_bytes(b"8BPS")
+    (folder / "e.jp2").write_bytes(b"jp2")
+    (folder / "README").write_text("no extension")
+    (folder / ".f.heic").write_bytes(b"hidden: silent, as before")
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", run["dir"] / "checkpoint.pth", folder)
+
+    assert code == 0, _errors(caplog)
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == [str(good)]
+    assert _warnings(caplog) == [
+        f"Folder {folder}: left out 5 files whose extension training does not read (2 .heic, 1 .jp2, "
+        "1 .psd, 1 without extension); name a file explicitly to classify it anyway."
+    ]
+
+    with caplog.at_level(logging.INFO):  # named explicitly: classified whatever the extension
+        assert _main("--weights", run["dir"] / "checkpoint.pth", heic[0]) == 0, _errors(caplog)
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == [str(heic[0])]
+
+
+def test_empty_file_is_reported_as_training_reports_it(
+    run: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    empty = tmp_path / "empty.png"
+    empty.touch()
+
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", run["dir"] / "checkpoint.pth", empty, run["images"][0])
+
+    assert code == 1
+    assert _errors(caplog)[0] == f"Cannot read image {empty}: empty file"

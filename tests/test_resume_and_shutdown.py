@@ -33,7 +33,8 @@ import torch
 from conftest import ROOT, TINY_FLAGS, child_env, run, torchrun_cmd
 from model import get_model
 from multi_train_utils.checkpoint import CheckpointError, load_file, prune_weights, save_atomic
-from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.distributed_utils import DistInfo, find_free_port
+from train_common import _build_data, get_args_parser
 
 LAUNCH = "train_multi_gpu_using_launch.py"
 SPAWN = "train_multi_gpu_using_spawn.py"
@@ -459,7 +460,8 @@ def test_resume_from_unusable_checkpoint_exits_2(case, run_a, tiny_data, tmp_pat
         data = tmp_path / "renamed"
         shutil.copytree(tiny_data, data)
         (data / "tulips").rename(data / "a_tulips")
-        expect = "the data has a_tulips, daisy, dandelion, roses, sunflowers (a_tulips, tulips)"
+        expect = ("the data has a_tulips, daisy, dandelion, roses, sunflowers (not in the data: "
+                  "tulips; new: a_tulips)")
     elif case == "other-model-no-args":  # a checkpoint without recorded args: shapes decide
         torch.save({"model": get_model("resnet34", num_classes=5).state_dict(), "epoch": 0}, path)
         expect = "resnet18"
@@ -543,7 +545,7 @@ def test_resume_none_keeps_the_weights_file_it_starts_from(run_a, tmp_path, tiny
     code, err = train_here(flags(tiny_data, out, "--resume", "none", "--weights", str(start),
                                  "--epochs", "1"))
     assert code == 0, err[-3000:]
-    assert f"loaded {start}; skipped 0 tensor(s)" in err
+    assert f"loaded {start} into --model resnet18: 122 of its 122 tensors" in err
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-0.pth", "model-2.pth"]
     assert start.read_bytes() == (run_a / "weights" / "model-2.pth").read_bytes()
     assert load_ckpt(out / "checkpoint.pth")["epoch"] == 0
@@ -778,6 +780,29 @@ def test_full_disk_during_save_is_one_line_and_the_rerun_continues(epoch, tmp_pa
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
 
 
+def test_output_folder_moved_during_the_run_says_where_to_continue(tmp_path, tiny_data,
+                                                                   train_here, monkeypatch):
+    out, moved = tmp_path / "out", tmp_path / "moved"
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):  # the user moves the folder while epoch 1 is saved
+        if isinstance(obj, dict) and obj.get("epoch") == 1 and out.is_dir():
+            out.rename(moved)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    code, err = train_here(flags(tiny_data, out, "--epochs", "3"))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert code == 2, err[-3000:]
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.endswith(f"error: could not save epoch 1: the folder {out} is gone (moved or "
+                         "deleted during the run); to continue, run the command again with "
+                         "--output-dir set to where the folder is now.")
+    code, err = train_here(flags(tiny_data, moved, "--epochs", "3"))
+    assert code == 0, err[-3000:]
+    assert [m["epoch"] for m in read_metrics(moved)] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("where", ["train-loss", "val-loss"])
 def test_diverged_run_is_one_line_and_no_diverged_epoch_is_saved(where, tmp_path, tiny_data,
                                                                  train_here, monkeypatch):
@@ -860,9 +885,53 @@ def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(run_a, tmp_p
     code, err = train_here(flags(tiny_data, out, "--eval-only", "--weights", str(weights),
                                  "--batch-size", "64"))
     assert code == 0, err[-3000:]
-    assert "resumed from" not in err and f"loaded {weights}; skipped 0 tensor(s)" in err
+    assert "evaluating" not in err and f"loaded {weights} into --model resnet18: 122 of its 122 " \
+        "tensors\n" in err
     top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", err).group(1))
     assert top1 == pytest.approx(read_metrics(out)[0]["val_acc"], abs=1e-4)
+
+
+def test_a_resumed_run_needs_its_weights_file_no_more(run_a, tmp_path, tiny_data, train_here):
+    """--weights only starts a run: a rerun of the same command (a torchrun restart, a SLURM
+    requeue) continues from the checkpoint even when that file is gone."""
+    pretrained, out = tmp_path / "scratch" / "pretrained.pth", tmp_path / "out"
+    pretrained.parent.mkdir()
+    shutil.copy(run_a / "weights" / "model-0.pth", pretrained)
+    argv = flags(tiny_data, out, "--weights", str(pretrained), "--freeze-layers")
+    code, err = train_here([*argv, "--epochs", "1"])
+    assert code == 0, err[-3000:]
+    shutil.rmtree(pretrained.parent)
+    code, err = train_here([*argv, "--epochs", "2"])
+    assert code == 0, err[-3000:]
+    assert (f"resumed from {out / 'checkpoint.pth'}: epoch 0 done") in err
+    assert f"(--weights {pretrained} only started the run and is not read again)" in err
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
+
+
+def test_freeze_layers_without_weights_is_one_error_line(tmp_path, tiny_data, train_here):
+    code, err = train_here(flags(tiny_data, tmp_path / "out", "--epochs", "1", "--freeze-layers"))
+    assert code == 2, err[-3000:]
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.endswith(
+        "error: --freeze-layers trains only the classifier (fc) on the features of --weights, "
+        "but no --weights was given, so the frozen layers would stay random; give pretrained "
+        "--weights or drop --freeze-layers.")
+
+
+def test_eval_only_val_rate_one_scores_every_image_of_a_test_folder(run_a, tmp_path, tiny_data,
+                                                                     train_here):
+    code, err = train_here(flags(tiny_data, tmp_path / "eval", "--eval-only", "--val-rate", "1",
+                                 "--resume", str(run_a / "checkpoint.pth")))
+    assert code == 0, err[-3000:]
+    assert (f"evaluating {run_a / 'checkpoint.pth'}: epoch {EPOCHS - 1} (the last saved; the "
+            f"best, val acc") in err and f"is {run_a / 'model_best.pth'})" in err
+    assert f"--val-rate 1: scoring every image of {tiny_data}" in err
+    assert "got no training image" not in err and "draws another validation split" not in err
+    assert "val images: 60\n" in err  # 5 classes x 12, every one
+    assert err.index("accuracy per class:") < err.index("top-1 accuracy")  # summary last
+    code, err = train_here(flags(tiny_data, tmp_path / "train", "--val-rate", "1"))
+    assert code == 2 and "error: --val-rate 1 leaves no image for training; it is for " \
+        "--eval-only" in err, err[-3000:]
 
 
 def test_eval_only_weights_from_a_checkpoint_of_other_classes_is_refused(run_a, tmp_path,
@@ -878,7 +947,8 @@ def test_eval_only_weights_from_a_checkpoint_of_other_classes_is_refused(run_a, 
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
     assert (f"{weights} was trained on the classes daisy, dandelion, roses, sunflowers, tulips "
-            "but the data has a_tulips, daisy, dandelion, roses, sunflowers (a_tulips, tulips), "
+            "but the data has a_tulips, daisy, dandelion, roses, sunflowers (not in the data: "
+            "tulips; new: a_tulips), "
             "so its labels would be wrong; evaluate it on the data it was trained on.") in errors[0]
     assert "top-1 accuracy" not in err
 
@@ -937,12 +1007,35 @@ def test_resume_on_changed_data_warns_that_validation_moved(run_a, tmp_path, tin
     code, err = train_here(flags(data, out, "--epochs", str(EPOCHS + 1)))
     assert code == 0, err[-3000:]
     assert "the validation images differ" not in err
-    first = sorted((data / "daisy").iterdir())[0]
-    shutil.copy(first, data / "daisy" / "added.jpg")  # one more image re-draws the class split
+    before = _build_data(get_args_parser().parse_args(flags(data, out)), DistInfo(), out)
+    for i, image in enumerate(sorted((data / "daisy").iterdir())):  # 12 more daisies
+        shutil.copy(image, data / "daisy" / f"added{i}.jpg")
     code, err = train_here(flags(data, out, "--epochs", str(EPOCHS + 2)))
     assert code == 0, err[-3000:]
     assert (f"the validation images differ from those {out / 'checkpoint.pth'} was validated on "
-            "(the data changed)") in err
+            "(images were added, removed or renamed): val accuracy is not comparable with "
+            "earlier epochs. No image it trained on moved into validation") in err
+    after = _build_data(get_args_parser().parse_args(flags(data, out)), DistInfo(), out)
+    trained, validated = (set(before[i].images_path) for i in (1, 2))
+    new_val = set(after[2].images_path)
+    assert new_val > validated and not new_val & trained  # only added files joined validation
+
+
+def test_resume_of_a_checkpoint_with_the_old_split_is_refused(run_a, tmp_path, tiny_data,
+                                                              train_here):
+    """Versions before the per-file hash split drew k images per class: that split differs,
+    so resuming with today's would validate on training images."""
+    out = tmp_path / "out"
+    shutil.copytree(run_a, out)
+    ckpt = load_ckpt(out / "checkpoint.pth")
+    ckpt["val_split"] = ckpt["val_split"].split(":")[-1]  # the old fingerprint had no scheme
+    save_atomic(ckpt, out / "checkpoint.pth")
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1)))
+    assert code == 2, err[-3000:]
+    assert (f"error: {out / 'checkpoint.pth'} was made by an earlier version of this template, "
+            "which drew the validation split another way, so validation would include images "
+            "it trained on; finish it with the version that started it, or start over with "
+            "--resume none or another --output-dir.") in err
 
 
 def test_model_best_exists_even_when_accuracy_stays_zero(tmp_path, tiny_data, train_here,
