@@ -56,7 +56,7 @@ from torchvision.transforms import v2
 
 from model import MODELS
 from my_dataset import check_image, load_image_tensor, printable_path
-from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, get_transforms
+from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +297,7 @@ def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
     """
     paths: list[Path] = []
     for raw in inputs:
+        raw = os.path.expanduser(raw)  # as the shell would have, had the path not been quoted
         matches = [Path(raw)]
         # A quoted pattern ('photos/000*.jpg') reaches us unexpanded, as it does from shells that
         # never expand (Windows cmd); a file whose name really holds * or [ is still itself.
@@ -342,6 +343,8 @@ def iter_predictions(
         slots: list[int] = []
         for i, path in enumerate(chunk):
             try:
+                if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the read
+                    raise OSError("not a regular file")
                 tensors.append(transform(load_image(path)))
                 slots.append(i)
             except Exception as exc:  # decoders of untrusted files raise many types (OSError, SyntaxError, ...)
@@ -399,18 +402,8 @@ def format_prediction(pred: Prediction) -> str:
                       *(f"{printable_path(name)}: {prob:.3f}" for name, prob in pred.top_k)])
 
 
-def _find_run_file(weights: Path, name: str) -> Path | None:
-    # Training writes class_indices.json and args.json into --output-dir; checkpoint.pth sits
-    # there too and the per-epoch files one level down in weights/.
-    for folder in (weights.parent, weights.parent.parent):
-        candidate = folder / name
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def _default_class_indices(weights: Path) -> Path:
-    found = _find_run_file(weights, "class_indices.json")
+    found = find_run_file(weights, "class_indices.json")
     if found is None:
         raise UsageError(
             f"No --class-indices given and no class_indices.json next to {weights} or one folder above; "
@@ -433,7 +426,7 @@ def resolve_class_names(
     if checkpoint_classes is None:
         return load_class_names(class_indices or _default_class_indices(weights))
     classes = list(checkpoint_classes)
-    path = Path(class_indices) if class_indices else _find_run_file(weights, "class_indices.json")
+    path = Path(class_indices) if class_indices else find_run_file(weights, "class_indices.json")
     if path is None:
         return classes
     names = load_class_names(path)
@@ -461,7 +454,7 @@ def _run_args_near(weights: Path) -> tuple[dict[str, Any], Path | None]:
     Bare state dicts carry no args, but the run's folder records its model and img_size; without
     them a resnet18 trained at 64 px would be rebuilt as the default resnet34 at 224 px.
     """
-    path = _find_run_file(weights, "args.json")
+    path = find_run_file(weights, "args.json")
     if path is None:
         return {}, None
     try:
@@ -533,6 +526,11 @@ def main(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def _user_path(text: str) -> Path:
+    # "~/x" reaches us unexpanded when quoted or written --weights=~/x.
+    return Path(os.path.expanduser(text))
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -565,11 +563,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
     group = parser.add_argument_group("model")
     group.add_argument(
-        "--weights", type=Path, required=True, metavar="PATH", help="checkpoint.pth / model_best.pth, or a bare state dict"
+        "--weights", type=_user_path, required=True, metavar="PATH", help="checkpoint.pth / model_best.pth, or a bare state dict"
     )
     group.add_argument(
         "--class-indices",
-        type=Path,
+        type=_user_path,
         metavar="PATH",
         default=None,
         help="JSON mapping index -> class name, for bare weights (full checkpoints carry their own list); "

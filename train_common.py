@@ -41,7 +41,7 @@ from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_amp_dtype,
                                                train_one_epoch)
 from my_dataset import MyDataSet
-from utils import (DataError, default_demo_root, get_transforms, make_demo_data,
+from utils import (DataError, default_demo_root, find_run_file, get_transforms, make_demo_data,
                    missing_glyphs_ignored, plot_class_distribution, scan_image_folder,
                    short_list, split_train_val, write_json_atomic)
 
@@ -471,8 +471,9 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
         train_sampler, args.batch_size, drop_last=True), **loader_kwargs)
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
                             **loader_kwargs)
-    log.info("%d training / %d validation images, %d classes, %d loader workers per process",
-             len(train_set), len(val_set), num_classes, workers)
+    log.info("%s%d validation images, %d classes, %d loader workers per process",
+             "" if args.eval_only else f"{len(train_set)} training / ", len(val_set), num_classes,
+             workers)
     return scan, train_set, val_set, train_sampler, train_loader, val_loader
 
 
@@ -558,9 +559,14 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
     what did not (rank 0). A head trained on other class names starts new, as for another
     class count: kept, it would map the old class i to the new class i."""
     source = load_file(args.weights)
-    trained_on = source.get("classes") if _is_checkpoint(source) else None
-    new_head = (trained_on is not None and list(trained_on) != list(classes)
-                and not args.eval_only)  # eval-only refuses other classes in _check_checkpoint
+    trained_on = _weights_classes(args.weights, source)
+    if args.eval_only and trained_on not in (None, classes) and not _is_checkpoint(source):
+        # (a checkpoint gets this check, and the others, from _check_checkpoint)
+        raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
+                                              "evaluate it on the data it was trained on"))
+    new_head = trained_on not in (None, classes) and not args.eval_only
+    if _is_checkpoint(source) and trained_on == classes and not args.eval_only and info.is_main:
+        _warn_if_split_differs(source, args)
     skipped, missing = load_matching_weights(model, args.weights, source=source,
                                              leave_out=("fc.",) if new_head else ())
     own = model.state_dict().keys()
@@ -588,6 +594,44 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
         log.warning("%d backbone tensor(s) of --model %s were not loaded from %s (%s): that "
                     "part trains from scratch; were the weights made for another --model?",
                     len(backbone), args.model, args.weights, short_list(backbone, 3))
+
+
+def _weights_classes(path: str, source: Any) -> list[str] | None:
+    """The class names ``path`` was trained on, in NFC: a checkpoint's own list, else the run's
+    class_indices.json beside bare weights (or one folder up, as training writes them)."""
+    names = source.get("classes") if _is_checkpoint(source) else None
+    found = find_run_file(path, "class_indices.json") if names is None else None
+    if found is not None:
+        try:
+            indices = json.loads(found.read_text(encoding="utf-8"))
+            names = [indices[str(i)] for i in range(len(indices))]
+        except (OSError, ValueError, KeyError, TypeError):  # not ours: no names known
+            names = None
+    return None if names is None else [unicodedata.normalize("NFC", n) for n in names]
+
+
+def _warn_if_split_differs(source: dict[str, Any], args: argparse.Namespace) -> None:
+    """Weights trained on these classes with another split have seen some of this run's
+    validation images: its accuracy would be optimistic."""
+    saved = source.get("args", {})
+    other = [f"--{k.replace('_', '-')} {saved[k]}" for k in ("seed", "val_rate")
+             if k in saved and saved[k] != getattr(args, k)]
+    if "args" in source and not str(source.get("val_split")).startswith(SPLIT_SCHEME):
+        other.append("a split drawn by an earlier version of this template")
+    if other:
+        log.warning("%s was trained on these classes with %s: this run's validation split may "
+                    "include images those weights trained on, so its accuracy is optimistic; "
+                    "use the seed and val rate it was trained with to keep them apart.",
+                    args.weights, ", ".join(other))
+
+
+def _class_mismatch(path: str, trained_on: list[str], classes: list[str], redo: str) -> str:
+    gone = [c for c in trained_on if c not in classes]
+    new = [c for c in classes if c not in trained_on]
+    diff = "; ".join([f"not in the data: {short_list(gone, 5)}"] * bool(gone)
+                     + [f"new: {short_list(new, 5)}"] * bool(new)) or "same names, other order"
+    return (f"{path} was trained on the classes {short_list(trained_on)} but the data has "
+            f"{short_list(classes)} ({diff}), so its labels would be wrong; {redo}.")
 
 
 def _check_norm_batch(args: argparse.Namespace, info: DistInfo, model: nn.Module) -> None:
@@ -693,13 +737,7 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
     if trained_on is not None:  # compared in NFC, as the scan names them (a macOS copy is NFD)
         trained_on = [unicodedata.normalize("NFC", c) for c in trained_on]
     if trained_on is not None and trained_on != list(classes):
-        gone = [c for c in trained_on if c not in classes]
-        new = [c for c in classes if c not in trained_on]
-        diff = "; ".join([f"not in the data: {short_list(gone, 5)}"] * bool(gone)
-                         + [f"new: {short_list(new, 5)}"] * bool(new)) or "same names, other order"
-        raise CheckpointError(f"{path} was trained on the classes {short_list(trained_on)} but "
-                              f"the data has {short_list(classes)} ({diff}), so its labels would "
-                              f"be wrong; {redo}.")
+        raise CheckpointError(_class_mismatch(path, trained_on, classes, redo))
     if trained_on is None and saved.get("num_classes", len(classes)) != len(classes):
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
                               f"has {len(classes)}; {redo}.")
@@ -718,8 +756,9 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
         log.warning("%s was trained with %s: this evaluation draws another validation split, "
                     "which may include images it trained on; pass the values it was trained "
                     "with to score it on its own validation images.", path, ", ".join(redrawn))
-    elif val_split is not None and ckpt.get("val_split", val_split) != val_split:
-        if not ckpt["val_split"].startswith(SPLIT_SCHEME):
+    elif val_split is not None and ckpt.get("val_split") != val_split and (
+            "val_split" in ckpt or "args" in ckpt):  # a hand-made checkpoint: no split known
+        if not str(ckpt.get("val_split")).startswith(SPLIT_SCHEME):  # absent before it was kept
             old_split = (f"{path} was made by an earlier version of this template, which drew "
                          "the validation split another way, so validation would include images "
                          "it trained on")
@@ -729,12 +768,17 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
                                       "--output-dir.")
             if warn:
                 log.warning("%s; this evaluation's accuracy is optimistic.", old_split)
+        elif warn and args.eval_only:
+            log.warning("the validation images differ from those %s was validated on (other or "
+                        "changed data): this scores the --val-rate %g split of %s; to score every "
+                        "image of a separate test folder, add --val-rate 1.", path,
+                        args.val_rate, args.data_path or "the demo data")
         elif warn:
-            log.warning("the validation images differ from those %s was validated on (images "
-                        "were added, removed or renamed): val accuracy is not comparable with "
-                        "earlier epochs. No image it trained on moved into validation: a file's "
-                        "side of the split depends only on its name and --seed (a renamed file "
-                        "counts as new).", path)
+            log.warning("the validation images differ from those %s was validated on: val "
+                        "accuracy is not comparable with earlier epochs. Added or removed images "
+                        "move no other file across the split (a file's side depends only on its "
+                        "path and --seed), but a renamed or moved file is new to it and may have "
+                        "been trained on under its old name.", path)
     frozen = saved.get("freeze_layers", args.freeze_layers)
     if frozen != args.freeze_layers and not args.eval_only:
         # The optimizer state holds one entry per trainable tensor: it cannot be carried over.
@@ -912,6 +956,11 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         _check_on_rank0(_claim_output_dir, args, out, info=info)
         if args.tensorboard:  # found now, not as a traceback after the data scan
             _check_on_rank0(_require_tensorboard, info=info)
+    resume_path = _resolve_resume(args, out)
+    if args.freeze_layers and not args.weights and resume_path is None and not args.eval_only:
+        raise ConfigError("--freeze-layers trains only the classifier (fc) on the features of "
+                          "--weights, but no --weights was given, so the frozen layers would stay "
+                          "random; give pretrained --weights or drop --freeze-layers.")
     _seed_everything(args.seed, info.rank)
     device = info.device
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -925,11 +974,6 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     num_classes = len(classes)
     val_split = _split_digest(scan.root, val_set.images_path)
 
-    resume_path = _resolve_resume(args, out)
-    if args.freeze_layers and not args.weights and resume_path is None and not args.eval_only:
-        raise ConfigError("--freeze-layers trains only the classifier (fc) on the features of "
-                          "--weights, but no --weights was given, so the frozen layers would stay "
-                          "random; give pretrained --weights or drop --freeze-layers.")
     # A resumed run's weights come from its checkpoint: --weights only started it, and may be
     # gone by now (a scratch file, a relative path from another folder) without stopping a rerun.
     model = _build_model(args, info, classes, load_weights=resume_path is None)
@@ -1171,7 +1215,7 @@ SPLIT_SCHEME = "hash1:"
 def _split_digest(root: str | os.PathLike, paths: list[str]) -> str:
     """A short fingerprint of which files are validation images (relative to the data root, so
     a moved data set keeps it), prefixed by the split scheme."""
-    names = sorted(os.path.relpath(p, root) for p in paths)
+    names = sorted(unicodedata.normalize("NFC", os.path.relpath(p, root)) for p in paths)
     digest = hashlib.sha256("\n".join(names).encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return SPLIT_SCHEME + digest
 
@@ -1279,8 +1323,8 @@ def _report_eval(result: EvalResult, classes: list[str]) -> None:
     seen = result.confusion.sum(1).tolist()  # images per true class in the validation split
     lines = ["accuracy per class:"]
     lines += [f"  {name}: {acc:.4f} ({n} image{'s' * (n != 1)})" if n else
-              f"  {name}: n/a (no images)" for name, acc, n in zip(classes, result.per_class_acc,
-                                                                   seen)]
+              f"  {name}: n/a (no validation images)"
+              for name, acc, n in zip(classes, result.per_class_acc, seen)]
     # The summary comes last, so a long class list does not scroll it away.
     lines += [f"val images: {result.num_samples}", f"top-1 accuracy: {result.top1:.4f}"]
     if result.top5 is not None:

@@ -148,8 +148,11 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
         why = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or exc
         raise DataError(f"cannot read data folder {root}: {why}; check its permissions "
                         "(the training user needs read and execute access).") from None
-    class_names = sorted(d for d in names
-                         if not d.startswith(".") and os.path.isdir(os.path.join(root, d)))
+    # Sorted by the NFC form, as they are named below: a copy whose folder names are NFD
+    # (macOS) gets the same class indices.
+    class_names = sorted((d for d in names
+                          if not d.startswith(".") and os.path.isdir(os.path.join(root, d))),
+                         key=lambda d: unicodedata.normalize("NFC", d))
     if not class_names:
         raise DataError(f"data path {root} has no class sub-folders; expected one sub-folder of "
                         "images per class (e.g. flower_photos/daisy/*.jpg).")
@@ -216,6 +219,16 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
     return scan
 
 
+def find_run_file(weights: str | os.PathLike, name: str) -> Path | None:
+    """``name`` (``class_indices.json``, ``args.json``) of the run that wrote ``weights``: training
+    puts it in --output-dir beside checkpoint.pth, one folder above weights/model-N.pth."""
+    weights = Path(weights)
+    for folder in (weights.parent, weights.parent.parent):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
 def _check_class_names(root: str, class_names: list[str]) -> None:
     """Refuse class folders that are not classes: a data set already split into train/ and
     val/ (it would train two classes, "train" and "val"), or two folders with one name written
@@ -227,11 +240,13 @@ def _check_class_names(root: str, class_names: list[str]) -> None:
         except OSError:  # reported by the walk
             return False
 
-    if {n.lower() for n in class_names} <= SPLIT_NAMES and all(map(has_sub_folders, class_names)):
-        first = min(class_names, key=lambda n: n.lower() not in ("train", "training"))
+    lowered = {n.lower(): n for n in class_names}
+    train = lowered.get("train", lowered.get("training"))
+    # A train/ of class folders beside val/ or test/ (even an unlabelled test/ of loose images).
+    if set(lowered) <= SPLIT_NAMES and len(lowered) > 1 and train and has_sub_folders(train):
         raise DataError(f"data path {root} holds {', '.join(class_names)}, which look like the "
                         "parts of a data set that is already split, not classes; pass "
-                        f"--data-path {os.path.join(root, first)} (this template holds out "
+                        f"--data-path {os.path.join(root, train)} (this template holds out "
                         "--val-rate of it for validation).")
     seen: dict[str, str] = {}
     for name in class_names:
@@ -246,6 +261,7 @@ def _check_class_names(root: str, class_names: list[str]) -> None:
 def split_key_fraction(seed: int, key: str) -> float:
     """Where a file falls in [0, 1) for the split: a hash of ``--seed`` and its key (its path
     relative to the data root), the same on every machine, rank and Python run."""
+    key = unicodedata.normalize("NFC", key)  # a macOS (NFD) copy splits the same way
     digest = hashlib.sha256(f"{seed}\0{key}".encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 

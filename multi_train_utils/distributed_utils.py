@@ -176,7 +176,8 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     ``args.dist_backend``: given ``args``, those are set as it did (``args.gpu`` is the local
     rank). New code reads the returned :class:`DistInfo` instead and passes no ``args``.
     """
-    device = device or getattr(args, "device", None) or "auto"
+    # Classic scripts may hold a torch.device or "CPU" there.
+    device = str(device or getattr(args, "device", None) or "auto").lower()
     dist_url = dist_url or getattr(args, "dist_url", None) or "env://"
     timeout_s = timeout_s or getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S
     info = _init(device, dist_url, timeout_s)

@@ -70,10 +70,14 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         # not cancel catastrophically in float32 when |mean| >> std; variance is shift-invariant.
         # A copy: the graph must not hold running_mean, which is updated in place below (under
         # torch.compile the backward would find it modified).
-        shift = (self.running_mean.detach().clone() if self.running_mean is not None
-                 else x.detach().mean(dim=dims)).to(x.dtype)
-        centred = x - shift.view(shape)
         count = torch.full((1,), input.numel() / channels, dtype=x.dtype, device=x.device)
+        if self.running_mean is not None:
+            shift = self.running_mean.detach().clone().to(x.dtype)
+        else:  # no running mean to share: every rank must use the same shift, the global mean
+            local = torch.cat([x.detach().sum(dims), count])
+            dist.all_reduce(local, group=self.process_group)
+            shift = local[:channels] / local[-1].clamp(min=1)
+        centred = x - shift.view(shape)
         stats = torch.cat([centred.sum(dims), (centred * centred).sum(dims), count])
         stats = _AllReduceSum.apply(stats, self.process_group)
         total = stats[-1]

@@ -1,9 +1,11 @@
 """``train_one_epoch`` and ``evaluate``: plain PyTorch loops whose results are already reduced.
 
 Both accept batches ``(images, labels)`` where ``images`` is either ``uint8 (N, 3, H, W)`` (our
-fast input pipeline: normalised here, on the device) or already-normalised float; ``labels`` is
-``int64 (N,)`` and ``-100`` marks a sample that could not be read (ignored, as
-``nn.CrossEntropyLoss`` ignores it by default).
+fast input pipeline: normalised here, on the device) or already-normalised float; ``labels`` are
+class indices ``(N,)`` (any integer dtype) and ``-100`` marks a sample that could not be read
+(ignored, as ``nn.CrossEntropyLoss`` ignores it by default). ``train_one_epoch`` also takes class
+probabilities ``float (N, C)`` (one-hot, label smoothing, MixUp/CutMix). Both must be called on
+every rank: they end in collectives.
 
 Neither loop synchronises the host with the device on every step: ``loss.item()`` or an
 all-reduce each step stalls the GPU pipeline, so running sums stay on the device and are reduced
@@ -43,6 +45,10 @@ def prepare_images(images: torch.Tensor, device: torch.device, *, channels_last:
 
     Normalising after the copy moves 4x fewer bytes over PCIe and frees the CPU workers from it.
     """
+    if images.dtype == torch.uint8 and (images.dim() != 4 or images.shape[1] != len(mean)):
+        raise ValueError(f"uint8 inputs are taken as images (N, {len(mean)}, H, W) to normalise "
+                         f"with mean/std, but this batch is {tuple(images.shape)}; convert it to "
+                         "float in the dataset (normalised as the model expects).")
     images = images.to(device, non_blocking=True)
     if channels_last:  # on the uint8 batch: a quarter of the bytes; float ops keep the layout
         images = images.contiguous(memory_format=torch.channels_last)
@@ -84,6 +90,19 @@ def _autocast(device: torch.device, amp_dtype: torch.dtype | None):
                           enabled=amp_dtype is not None)
 
 
+def _inputs_and_labels(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loader's batch as ``(inputs, labels)``, class indices as int64 (``CrossEntropyLoss``
+    refuses int32, which numpy labels often are)."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        what = (f"a dict with keys {', '.join(map(str, batch))}" if isinstance(batch, dict) else
+                f"{len(batch)} items" if isinstance(batch, (tuple, list)) else
+                f"a {type(batch).__name__}")
+        raise TypeError(f"{where} takes batches of (inputs, labels), got {what}; give the "
+                        "DataLoader a collate_fn that returns (inputs, labels).")
+    images, labels = batch
+    return images, labels if labels.is_floating_point() else labels.long()
+
+
 def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                     device: torch.device, epoch: int, *,
                     scaler: torch.amp.GradScaler | None = None,
@@ -107,10 +126,13 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
 
     progress = tqdm(data_loader, file=sys.stdout, disable=not is_main_process(),
                     desc=f"[train epoch {epoch}]", dynamic_ncols=True)
-    for step, (images, labels) in enumerate(progress):
+    for step, batch in enumerate(progress):
+        images, labels = _inputs_and_labels(batch, "train_one_epoch")
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)
-        n_valid = (labels != IGNORE_INDEX).sum()
+        # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
+        n_valid = (torch.tensor(labels.shape[0], device=device) if labels.is_floating_point()
+                   else (labels != IGNORE_INDEX).sum())
         last_micro = (step + 1) % grad_accum_steps == 0 or step + 1 == steps
         sync_context = (model.no_sync() if not last_micro and hasattr(model, "no_sync")
                         else contextlib.nullcontext())
@@ -143,8 +165,10 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         if (step + 1) % print_freq == 0 or step + 1 == steps:
             mean_loss = _reduced_mean(loss_sum, count)
             if not math.isfinite(mean_loss):
+                # Checked every print_freq steps (no sync per step): it may have begun earlier.
                 raise FloatingPointError(f"non-finite training loss ({mean_loss}) at epoch {epoch}, "
-                                         f"step {step}; lower --lr or check the data.")
+                                         f"noticed at step {step} (checked every {print_freq} "
+                                         "steps); lower the learning rate or check the data.")
             lr = optimizer.param_groups[0]["lr"]
             progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
             if log_fn is not None:
@@ -162,7 +186,9 @@ class EvalResult(int):
     """The number of correct top-1 predictions over all ranks, each val sample counted once.
 
     It is an ``int`` so the classic ``acc = evaluate(...) / len(val_set)`` keeps working; the
-    other exact figures ride along as attributes.
+    other exact figures ride along as attributes. (The classic ``/ val_sampler.total_size`` now
+    under-reports: ``total_size`` counts the sampler's padding, which is no longer scored; use
+    ``len(val_set)`` or ``.top1``.)
     """
 
     top5_correct: int
@@ -178,6 +204,11 @@ class EvalResult(int):
         obj.loss = loss_sum / num_samples if num_samples else float("nan")
         obj.confusion = confusion
         return obj
+
+    def __getnewargs_ex__(self) -> tuple[tuple[int], dict[str, Any]]:
+        # copy, deepcopy and pickle (e.g. all_gather_object) rebuild it through __new__.
+        return (int(self),), dict(top5_correct=self.top5_correct, num_samples=self.num_samples,
+                                  loss_sum=self.loss * self.num_samples, confusion=self.confusion)
 
     @property
     def correct(self) -> int:
@@ -220,8 +251,15 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     """
     model.eval()
     sampler = _distributed_sampler(data_loader)
-    if sampler is not None and sampler.drop_last:
-        log.warning("the val sampler has drop_last=True: some val samples are never evaluated")
+    if is_main_process():  # every rank has the same loader: said once
+        if sampler is None and get_world_size() > 1:
+            log.warning("evaluate: the loader has no DistributedSampler, so every rank scores the "
+                        "whole val set and each sample counts %d times; give it "
+                        "DistributedSampler(val_set, shuffle=False).", get_world_size())
+        if (sampler is not None and sampler.drop_last) or getattr(
+                data_loader.batch_sampler, "drop_last", False):
+            log.warning("evaluate: the val loader drops the last incomplete batch "
+                        "(drop_last=True): some val samples are never scored")
     world, rank = (sampler.num_replicas, sampler.rank) if sampler is not None else (1, 0)
     num_real = len(sampler.dataset) if sampler is not None else None
 
@@ -231,15 +269,20 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     loss_function = nn.CrossEntropyLoss(reduction="none", ignore_index=IGNORE_INDEX)
     progress = tqdm(data_loader, file=sys.stdout, disable=not is_main_process(), desc="[valid]",
                     dynamic_ncols=True)
-    for images, labels in progress:
-        batch = labels.shape[0]
+    for batch in progress:
+        images, labels = _inputs_and_labels(batch, "evaluate")
+        if labels.is_floating_point():
+            raise ValueError(f"evaluate needs class indices (N,) as labels, got float labels of "
+                             f"shape {tuple(labels.shape)}; give it a val loader without one-hot "
+                             "or mixed labels (labels.argmax(1) are the indices).")
+        size = labels.shape[0]
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)
         valid = labels != IGNORE_INDEX
         if num_real is not None:
-            positions = rank + (seen + torch.arange(batch, device=device)) * world
+            positions = rank + (seen + torch.arange(size, device=device)) * world
             valid &= positions < num_real
-        seen += batch
+        seen += size
         with _autocast(device, amp_dtype):
             logits = model(images)
         logits = logits.float()

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -295,6 +296,11 @@ def test_a_data_set_already_split_into_train_and_val_is_refused(tmp_path):
         f"data path {root} holds train, val, which look like the parts of a data set that is "
         f"already split, not classes; pass --data-path {root / 'train'} (this template holds "
         "out --val-rate of it for validation).")
+    write_jpeg(root / "test.jpg", 9)
+    (root / "test").mkdir()  # an unlabelled test/ of loose images beside them
+    write_jpeg(root / "test" / "0.jpg", 8)
+    with pytest.raises(DataError, match=r"holds test, train, val, which look like the parts"):
+        scan_image_folder(str(root))
     make_class(tmp_path / "flat" / "test", 2, 1)  # a class that happens to be called "test"
     make_class(tmp_path / "flat" / "val", 2, 2)
     assert scan_image_folder(str(tmp_path / "flat")).classes == ["test", "val"]
@@ -306,6 +312,20 @@ def test_class_names_are_compared_in_one_unicode_form(tmp_path):
     make_class(root / nfd, 2, 1)
     make_class(root / "tea", 2, 2)
     assert scan_image_folder(str(root)).classes == [nfc, "tea"]  # named as typed elsewhere
+    # The same data set copied with NFC names and with NFD names (file names too): the same
+    # class indices (NFD "cafe\u0301" sorts before "caff", NFC "caf\u00e9" after) and split.
+    splits = []
+    for form in ("NFC", "NFD"):
+        copy_root = tmp_path / form
+        for cls, seed in ((f"{nfc}s", 3), ("caff", 4)):
+            folder = make_class(copy_root / unicodedata.normalize(form, cls), 0, seed)
+            for i in range(30):
+                write_jpeg(folder / unicodedata.normalize(form, f"{nfc}{i}.jpg"), seed * 50 + i)
+        scan = scan_image_folder(str(copy_root))
+        _, _, val_p, val_y, _ = split_train_val(scan.images, 0.3, root=scan.root)
+        splits.append((scan.classes, sorted((unicodedata.normalize("NFC", os.path.relpath(
+            p, copy_root)), y) for p, y in zip(val_p, val_y))))
+    assert splits[0] == splits[1] and splits[0][0] == ["caff", f"{nfc}s"] and splits[0][1]
     make_class(root / nfc, 2, 3)
     with pytest.raises(DataError, match=r"class folders 'cafe\\u0301' and 'caf\\xe9' in .* are "
                                         r"one name written in two Unicode forms"):

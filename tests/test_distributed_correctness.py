@@ -148,13 +148,14 @@ def test_evaluate_is_exact_for_any_world_size(world_size, eval_case, tmp_path):
 BN_CHANNELS = 3
 
 
-def _bn_init(dtype: torch.dtype, momentum: float | None) -> nn.BatchNorm2d:
-    bn = nn.BatchNorm2d(BN_CHANNELS, momentum=momentum)
+def _bn_init(dtype: torch.dtype, momentum: float | None, track: bool = True) -> nn.BatchNorm2d:
+    bn = nn.BatchNorm2d(BN_CHANNELS, momentum=momentum, track_running_stats=track)
     with torch.no_grad():
         bn.weight.copy_(torch.tensor([0.5, 1.5, -1.0]))
         bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
-        bn.running_mean.copy_(torch.tensor([0.5, -0.5, 1.0]))
-        bn.running_var.copy_(torch.tensor([2.0, 0.5, 1.0]))
+        if track:
+            bn.running_mean.copy_(torch.tensor([0.5, -0.5, 1.0]))
+            bn.running_var.copy_(torch.tensor([2.0, 0.5, 1.0]))
     return bn.to(dtype)
 
 
@@ -202,14 +203,15 @@ def _syncbn_worker(rank: int, world: int, sizes: tuple[int, int], xs: list, grad
     return dict(steps=steps, state=sync.state_dict(), plain_state=plain.state_dict())
 
 
-@pytest.mark.parametrize("sizes,dtype,momentum", [
-    ((4, 4), torch.float64, 0.1),
-    ((3, 5), torch.float64, None),  # unequal shares; cumulative running average
-    ((3, 5), torch.float32, 0.1),
-], ids=["equal-f64", "unequal-f64-cumulative", "unequal-f32"])
-def test_sync_batchnorm_cpu_equals_full_batch_batchnorm(sizes, dtype, momentum, tmp_path):
+@pytest.mark.parametrize("sizes,dtype,momentum,track", [
+    ((4, 4), torch.float64, 0.1, True),
+    ((3, 5), torch.float64, None, True),  # unequal shares; cumulative running average
+    ((3, 5), torch.float32, 0.1, True),
+    ((3, 5), torch.float32, 0.1, False),  # batch statistics only: no running mean to shift by
+], ids=["equal-f64", "unequal-f64-cumulative", "unequal-f32", "unequal-f32-no-running-stats"])
+def test_sync_batchnorm_cpu_equals_full_batch_batchnorm(sizes, dtype, momentum, track, tmp_path):
     xs, grads = _bn_batches(sizes, dtype)
-    bn_init = _bn_init(dtype, momentum)
+    bn_init = _bn_init(dtype, momentum, track)
     per_rank = run_ranks(_syncbn_worker, 2, tmp_path, sizes, xs, grads, bn_init)
 
     ref = copy.deepcopy(bn_init)
@@ -232,13 +234,15 @@ def test_sync_batchnorm_cpu_equals_full_batch_batchnorm(sizes, dtype, momentum, 
             torch.testing.assert_close(step["x_grad"], want["x_grad"][part], **tol, msg=msg)
             for key in ("loss", "weight_grad", "bias_grad"):
                 torch.testing.assert_close(step[key], want[key], **tol, msg=f"{msg}: {key}")
-        for key in ("running_mean", "running_var"):
-            torch.testing.assert_close(got["state"][key], ref.state_dict()[key], **tol)
-        assert int(got["state"]["num_batches_tracked"]) == 2
-
         # Without the switch each rank normalises by its own half: visibly different numbers.
         plain_gap = (got["steps"][-1]["plain_out"] - ref_steps[-1]["out"][part]).abs().max()
         assert plain_gap > 0.05, f"rank {rank}: per-rank BN unexpectedly matches ({plain_gap})"
+        if not track:
+            assert got["state"].keys() == ref.state_dict().keys() == {"weight", "bias"}
+            continue
+        for key in ("running_mean", "running_var"):
+            torch.testing.assert_close(got["state"][key], ref.state_dict()[key], **tol)
+        assert int(got["state"]["num_batches_tracked"]) == 2
         mean_gap = (got["plain_state"]["running_mean"] - ref.running_mean).abs().max()
         assert mean_gap > 0.01, f"rank {rank}: per-rank running_mean matches ({mean_gap})"
 
@@ -652,6 +656,81 @@ def test_train_one_epoch_returns_exact_mean_loss_and_syncs_rarely(tmp_path):
         # No per-step collective: one all-reduce per epoch, or one per logged step.
         assert got["all_reduce@1000"] == 1, got["all_reduce@1000"]
         assert got["all_reduce@1"] == steps, got["all_reduce@1"]
+
+
+# ------------------------------------------------------------------ 6b. own data and models
+def test_soft_and_int32_labels_train_as_their_cross_entropy():
+    """Class probabilities (one-hot, smoothing, MixUp) count one sample per row, not per class;
+    int32 labels (numpy's) are class indices like int64."""
+    model = tiny_net(4, bn=False, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    images, labels = torch.randn(16, 3, 6, 6, generator=gen), torch.randint(0, 4, (16,),
+                                                                          generator=gen)
+    with torch.no_grad():
+        want = F.cross_entropy(model(images), labels).item()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the loss of these weights
+    for targets in (F.one_hot(labels, 4).float(), labels.int(), labels):
+        loader = DataLoader(TensorDataset(images, targets), batch_size=5)
+        got = train_one_epoch(model, optimizer, loader, CPU, 0)
+        assert got == pytest.approx(want, rel=1e-5), targets.dtype
+
+
+def test_batches_evaluate_cannot_use_are_one_sentence():
+    model = tiny_net(4, bn=False)
+    images, labels = torch.randn(6, 3, 6, 6), torch.randint(0, 4, (6,))
+    dicts = DataLoader([{"image": x, "label": y} for x, y in zip(images, labels)], batch_size=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"^train_one_epoch takes batches of \(inputs, labels\), "
+                                        r"got a dict with keys image, label; give the DataLoader "
+                                        r"a collate_fn that returns \(inputs, labels\).$"):
+        train_one_epoch(model, optimizer, dicts, CPU, 0)
+    soft = DataLoader(TensorDataset(images, F.one_hot(labels, 4).float()), batch_size=3)
+    with pytest.raises(ValueError, match=r"^evaluate needs class indices \(N,\) as labels, got "
+                                         r"float labels of shape \(3, 4\)"):
+        evaluate(model, soft, CPU)
+    gray = DataLoader(TensorDataset(torch.zeros(6, 1, 6, 6, dtype=torch.uint8), labels),
+                      batch_size=3)
+    with pytest.raises(ValueError, match=r"^uint8 inputs are taken as images \(N, 3, H, W\) to "
+                                         r"normalise with mean/std, but this batch is "
+                                         r"\(3, 1, 6, 6\)"):
+        evaluate(model, gray, CPU)
+
+
+def test_eval_result_survives_copy_and_pickle():
+    import pickle
+
+    result = EvalResult(3, top5_correct=5, num_samples=6, loss_sum=4.5,
+                        confusion=torch.eye(6, dtype=torch.long))
+    for other in (copy.copy(result), copy.deepcopy(result),
+                  pickle.loads(pickle.dumps(result))):
+        assert (int(other), other.top5_correct, other.num_samples, other.loss) == (3, 5, 6, 0.75)
+        assert torch.equal(other.confusion, result.confusion) and other.top1 == 0.5
+
+
+def _eval_without_sampler_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
+                                 labels: torch.Tensor) -> list[str]:
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("multi_train_utils.train_eval_utils").addHandler(handler)
+    result = evaluate(model, DataLoader(TensorDataset(images, labels), batch_size=4), CPU)
+    return [*records, f"num_samples={result.num_samples}"]
+
+
+def test_evaluate_warns_when_a_loader_would_count_samples_twice_or_drop_them(eval_case, tmp_path,
+                                                                           caplog):
+    model, images, labels = eval_case
+    per_rank = run_ranks(_eval_without_sampler_worker, 2, tmp_path, model, images, labels)
+    assert per_rank[0][0].startswith("evaluate: the loader has no DistributedSampler, so every "
+                                     "rank scores the whole val set and each sample counts 2 "
+                                     "times; give it DistributedSampler(val_set, shuffle=False).")
+    assert per_rank[0][-1] == per_rank[1][-1] == f"num_samples={2 * VAL_SIZE}"
+    assert per_rank[1] == [f"num_samples={2 * VAL_SIZE}"]  # said once, by rank 0
+    dropping = DataLoader(TensorDataset(images, labels), batch_size=4, drop_last=True)
+    assert evaluate(model, dropping, CPU).num_samples == 8
+    assert "the val loader drops the last incomplete batch (drop_last=True)" in caplog.text
 
 
 # ------------------------------------------------------------------ 7. reproducible end to end

@@ -310,6 +310,8 @@ def test_classic_call_sets_the_attributes_classic_scripts_read(slurm_env):
         (0, 1, 0, False, None)
     assert info == distributed_utils.DistInfo()
     assert distributed_utils.init_distributed_mode(device="cpu") == info  # new code: no args
+    for device in (torch.device("cpu"), "CPU"):  # what classic scripts may hold in args.device
+        assert distributed_utils.init_distributed_mode(argparse.Namespace(device=device)) == info
 
 
 @pytest.mark.parametrize("url", ["tcp://127.0.0.1", "127.0.0.1:29500", "tcp://host:99999"])

@@ -546,3 +546,21 @@ def test_empty_file_is_reported_as_training_reports_it(
 
     assert code == 1
     assert _errors(caplog)[0] == f"Cannot read image {empty}: empty file"
+
+
+def test_a_fifo_named_or_matched_is_reported_not_waited_on(run: dict, tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe.jpg")  # opening it for reading would block until a writer came
+    good = tmp_path / "good.jpg"
+    good.write_bytes(Path(run["images"][0]).read_bytes())
+    result = _run_cli("--weights", run["dir"] / "checkpoint.pth", "--device", "cpu",
+                      tmp_path / "*.jpg")  # a quoted pattern matching both
+    assert result.returncode == 1, result.stderr
+    assert [line.split("\t")[0] for line in result.stdout.splitlines()] == [str(good)]
+    assert f"Cannot read image {tmp_path / 'pipe.jpg'}: not a regular file" in result.stderr
+
+
+def test_a_home_folder_in_paths_is_expanded(run: dict, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(run["dir"]))
+    args = predict.get_args_parser().parse_args(["--weights=~/checkpoint.pth", "~/x.jpg"])
+    assert args.weights == run["dir"] / "checkpoint.pth"
+    assert predict.collect_images(["~/x.jpg"]) == [run["dir"] / "x.jpg"]

@@ -908,6 +908,38 @@ def test_a_resumed_run_needs_its_weights_file_no_more(run_a, tmp_path, tiny_data
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
 
 
+def test_bare_weights_are_checked_against_their_runs_class_names(run_a, tmp_path, tiny_data,
+                                                                 train_here):
+    """Bare weights carry no class names, but their run's class_indices.json (one folder up)
+    does: renamed classes would shift every label."""
+    data = tmp_path / "renamed"
+    shutil.copytree(tiny_data, data)
+    (data / "tulips").rename(data / "a_tulips")
+    weights = run_a / "weights" / f"model-{EPOCHS - 1}.pth"
+    code, err = train_here(flags(data, tmp_path / "eval", "--eval-only", "--weights",
+                                 str(weights)))
+    assert code == 2 and (f"error: {weights} was trained on the classes daisy, dandelion, roses, "
+                          "sunflowers, tulips but the data has a_tulips") in err, err[-3000:]
+    out = tmp_path / "fine-tune"  # training from them: the head starts new
+    code, err = train_here(flags(data, out, "--epochs", "1", "--weights", str(weights)))
+    assert code == 0, err[-3000:]
+    assert (f"the classifier (fc.bias, fc.weight) starts new for 5 classes (it was trained on "
+            "daisy, dandelion, roses, sunflowers, tulips)") in err
+
+
+def test_weights_of_these_classes_from_another_split_warn(run_a, tmp_path, tiny_data,
+                                                         train_here):
+    argv = flags(tiny_data, tmp_path / "out", "--epochs", "1", "--weights",
+                 str(run_a / "checkpoint.pth"))
+    code, err = train_here(argv)
+    assert code == 0 and "validation split may include" not in err, err[-3000:]
+    argv[argv.index("--seed") + 1] = "5"
+    code, err = train_here([*argv, "--output-dir", str(tmp_path / "other")])
+    assert code == 0, err[-3000:]
+    assert (f"{run_a / 'checkpoint.pth'} was trained on these classes with --seed 0: this run's "
+            "validation split may include images those weights trained on") in err
+
+
 def test_freeze_layers_without_weights_is_one_error_line(tmp_path, tiny_data, train_here):
     code, err = train_here(flags(tiny_data, tmp_path / "out", "--epochs", "1", "--freeze-layers"))
     assert code == 2, err[-3000:]
@@ -1012,23 +1044,27 @@ def test_resume_on_changed_data_warns_that_validation_moved(run_a, tmp_path, tin
         shutil.copy(image, data / "daisy" / f"added{i}.jpg")
     code, err = train_here(flags(data, out, "--epochs", str(EPOCHS + 2)))
     assert code == 0, err[-3000:]
-    assert (f"the validation images differ from those {out / 'checkpoint.pth'} was validated on "
-            "(images were added, removed or renamed): val accuracy is not comparable with "
-            "earlier epochs. No image it trained on moved into validation") in err
+    assert (f"the validation images differ from those {out / 'checkpoint.pth'} was validated on: "
+            "val accuracy is not comparable with earlier epochs. Added or removed images move no "
+            "other file across the split") in err
     after = _build_data(get_args_parser().parse_args(flags(data, out)), DistInfo(), out)
     trained, validated = (set(before[i].images_path) for i in (1, 2))
     new_val = set(after[2].images_path)
     assert new_val > validated and not new_val & trained  # only added files joined validation
 
 
-def test_resume_of_a_checkpoint_with_the_old_split_is_refused(run_a, tmp_path, tiny_data,
+@pytest.mark.parametrize("made", ["unprefixed", "unrecorded"])
+def test_resume_of_a_checkpoint_with_the_old_split_is_refused(made, run_a, tmp_path, tiny_data,
                                                               train_here):
     """Versions before the per-file hash split drew k images per class: that split differs,
     so resuming with today's would validate on training images."""
     out = tmp_path / "out"
     shutil.copytree(run_a, out)
     ckpt = load_ckpt(out / "checkpoint.pth")
-    ckpt["val_split"] = ckpt["val_split"].split(":")[-1]  # the old fingerprint had no scheme
+    if made == "unprefixed":  # the fingerprint of the old split had no scheme
+        ckpt["val_split"] = ckpt["val_split"].split(":")[-1]
+    else:  # older still: no fingerprint at all
+        del ckpt["val_split"]
     save_atomic(ckpt, out / "checkpoint.pth")
     code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS + 1)))
     assert code == 2, err[-3000:]
