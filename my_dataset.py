@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,10 +110,7 @@ def check_image(path: str) -> str | None:
                 return "empty file"
             f.seek(max(0, size - 1024))
             tail = f.read()
-        with warnings.catch_warnings():  # PIL warns from half that limit: such photos are fine
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(path)
-        with img:
+        with Image.open(path) as img:
             fmt = img.format
             width, height = img.size
             if width < 1 or height < 1:

@@ -56,7 +56,7 @@ from torchvision.transforms import v2
 
 from model import MODELS
 from my_dataset import check_image, load_image_tensor, printable_path
-from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms
+from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms, user_path
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
     """
     paths: list[Path] = []
     for raw in inputs:
-        raw = os.path.expanduser(raw)  # as the shell would have, had the path not been quoted
+        raw = user_path(str(raw))  # as the shell would have, had the path not been quoted
         matches = [Path(raw)]
         # A quoted pattern ('photos/000*.jpg') reaches us unexpanded, as it does from shells that
         # never expand (Windows cmd); a file whose name really holds * or [ is still itself.
@@ -526,9 +526,8 @@ def main(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def _user_path(text: str) -> Path:
-    # "~/x" reaches us unexpanded when quoted or written --weights=~/x.
-    return Path(os.path.expanduser(text))
+def _path(text: str) -> Path:
+    return Path(user_path(text))  # "~/x" arrives unexpanded when quoted or written --weights=~/x
 
 
 def _positive_int(text: str) -> int:
@@ -563,11 +562,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
     group = parser.add_argument_group("model")
     group.add_argument(
-        "--weights", type=_user_path, required=True, metavar="PATH", help="checkpoint.pth / model_best.pth, or a bare state dict"
+        "--weights", type=_path, required=True, metavar="PATH", help="checkpoint.pth / model_best.pth, or a bare state dict"
     )
     group.add_argument(
         "--class-indices",
-        type=_user_path,
+        type=_path,
         metavar="PATH",
         default=None,
         help="JSON mapping index -> class name, for bare weights (full checkpoints carry their own list); "

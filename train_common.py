@@ -43,7 +43,7 @@ from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_am
 from my_dataset import MyDataSet
 from utils import (DataError, default_demo_root, find_run_file, get_transforms, make_demo_data,
                    missing_glyphs_ignored, plot_class_distribution, scan_image_folder,
-                   short_list, split_train_val, write_json_atomic)
+                   short_list, split_key, split_train_val, user_path, write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -93,11 +93,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _number(kind: type, minimum: float, what: str, below: float = math.inf):
-    """An argparse ``type`` for ``minimum <= value < below``; else a one-line usage error."""
+def _number(kind: type, minimum: float, what: str, below: float = math.inf,
+            at_most: float = math.inf):
+    """An argparse ``type`` for ``minimum <= value < below`` and ``value <= at_most``; else a
+    one-line usage error."""
     def parse(text: str):
         value = kind(text)
-        if not (minimum <= value < below and math.isfinite(value)):
+        if not (minimum <= value < below and value <= at_most and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" errors
@@ -109,10 +111,8 @@ COUNT = _number(int, 0, "a whole number of at least 0")
 POSITIVE = _number(float, math.ulp(0.0), "greater than 0")
 NON_NEGATIVE = _number(float, 0.0, "at least 0")
 SEED = _number(int, 0, "a whole number from 0 to 2**32 - 1 (numpy's seed range)", below=2**32)
-# "~/data" reaches the script unexpanded when quoted or written --flag=~/data; expand it here.
-USER_PATH = os.path.expanduser
 FRACTION = _number(float, math.ulp(0.0), "above 0 and at most 1 (1 scores every image, with "
-                   "--eval-only)", below=math.nextafter(1.0, 2.0))
+                   "--eval-only)", at_most=1.0)
 
 
 def default_workers(batch_size: int) -> int:
@@ -127,10 +127,10 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
         formatter_class=HelpFormatter, add_help=add_help)
 
     data = parser.add_argument_group("data")
-    data.add_argument("--data-path", "--data_path", type=USER_PATH, default=None,
+    data.add_argument("--data-path", "--data_path", type=user_path, default=None,
                       help="folder with one sub-folder of images per class (e.g. flower_photos); "
                            "default: the generated demo dataset")
-    data.add_argument("--demo-dir", type=USER_PATH, default=None,
+    data.add_argument("--demo-dir", type=user_path, default=None,
                       help="where the demo dataset is generated and cached "
                            "(default: $DDP_DEMO_DATA or ~/.cache/ddp-template/demo_flowers_v1)")
     data.add_argument("--val-rate", type=FRACTION, default=0.2,
@@ -147,7 +147,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
-    model.add_argument("--weights", type=USER_PATH, default=None,
+    model.add_argument("--weights", type=user_path, default=None,
                        help="initial weights (state dict or checkpoint); tensors whose shape "
                             "does not fit, e.g. a 1000-class head, are skipped and listed")
     model.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
@@ -200,9 +200,9 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
         dist.add_argument("--node-rank", type=COUNT, default=0, help="this machine's index")
 
     run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", type=USER_PATH, default="runs/train",
+    run.add_argument("--output-dir", type=user_path, default="runs/train",
                      help="checkpoints, weights/, metrics.jsonl, TensorBoard, class_indices.json")
-    run.add_argument("--resume", type=USER_PATH, default="auto",
+    run.add_argument("--resume", type=user_path, default="auto",
                      help="'auto': continue from <output-dir>/checkpoint.pth if it exists; "
                           "a path; or 'none' to start fresh")
     run.add_argument("--keep-last", type=COUNT, default=0,
@@ -539,10 +539,10 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
 
 
 def _build_model(args: argparse.Namespace, info: DistInfo, classes: list[str], *,
-                 load_weights: bool = True) -> nn.Module:
+                 load_weights: bool = True, val_split: str | None = None) -> nn.Module:
     model = get_model(args.model, num_classes=len(classes))
     if args.weights and load_weights:
-        _load_weights(model, args, info, classes)
+        _load_weights(model, args, info, classes, val_split)
     if args.freeze_layers:
         for name, param in model.named_parameters():
             param.requires_grad_(name.startswith("fc."))
@@ -554,18 +554,22 @@ def _build_model(args: argparse.Namespace, info: DistInfo, classes: list[str], *
 
 
 def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
-                  classes: list[str]) -> None:
+                  classes: list[str], val_split: str | None) -> None:
     """Start ``model`` from ``--weights``: every tensor that fits by name and shape, and says
     what did not (rank 0). A head trained on other class names starts new, as for another
     class count: kept, it would map the old class i to the new class i."""
     source = load_file(args.weights)
     trained_on = _weights_classes(args.weights, source)
-    if args.eval_only and trained_on not in (None, classes) and not _is_checkpoint(source):
-        # (a checkpoint gets this check, and the others, from _check_checkpoint)
+    if args.eval_only and _is_checkpoint(source):
+        # The checks --resume makes: another model, other classes (which would score every
+        # image against the wrong label), another split.
+        _check_checkpoint(source, args.weights, args, classes, warn=info.is_main,
+                          val_split=val_split)
+    elif args.eval_only and trained_on not in (None, classes):
         raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
                                               "evaluate it on the data it was trained on"))
     new_head = trained_on not in (None, classes) and not args.eval_only
-    if _is_checkpoint(source) and trained_on == classes and not args.eval_only and info.is_main:
+    if trained_on == classes and not args.eval_only and info.is_main:
         _warn_if_split_differs(source, args)
     skipped, missing = load_matching_weights(model, args.weights, source=source,
                                              leave_out=("fc.",) if new_head else ())
@@ -607,22 +611,34 @@ def _weights_classes(path: str, source: Any) -> list[str] | None:
             names = [indices[str(i)] for i in range(len(indices))]
         except (OSError, ValueError, KeyError, TypeError):  # not ours: no names known
             names = None
-    return None if names is None else [unicodedata.normalize("NFC", n) for n in names]
+    return _nfc(names)
 
 
-def _warn_if_split_differs(source: dict[str, Any], args: argparse.Namespace) -> None:
+def _warn_if_split_differs(source: Any, args: argparse.Namespace) -> None:
     """Weights trained on these classes with another split have seen some of this run's
-    validation images: its accuracy would be optimistic."""
-    saved = source.get("args", {})
-    other = [f"--{k.replace('_', '-')} {saved[k]}" for k in ("seed", "val_rate")
-             if k in saved and saved[k] != getattr(args, k)]
-    if "args" in source and not str(source.get("val_split")).startswith(SPLIT_SCHEME):
-        other.append("a split drawn by an earlier version of this template")
-    if other:
+    validation images: its accuracy would be optimistic. Bare weights are judged by their run's
+    args.json."""
+    if _is_checkpoint(source):
+        saved, old = source.get("args", {}), _old_split(source)
+    else:
+        found = find_run_file(args.weights, "args.json")
+        try:
+            saved = json.loads(found.read_text(encoding="utf-8")) if found else {}
+        except (OSError, ValueError):
+            saved = {}
+        saved, old = saved if isinstance(saved, dict) else {}, False
+    redrawn = _redrawn(saved, args)
+    if redrawn:
         log.warning("%s was trained on these classes with %s: this run's validation split may "
                     "include images those weights trained on, so its accuracy is optimistic; "
-                    "use the seed and val rate it was trained with to keep them apart.",
-                    args.weights, ", ".join(other))
+                    "use the values it was trained with to keep them apart.", args.weights,
+                    ", ".join(redrawn))
+    elif old:
+        log.warning("%s was trained on these classes by an earlier version of this template, "
+                    "which drew its split another way, so this run's validation split includes "
+                    "images those weights trained on and no flag keeps them apart; treat val "
+                    "accuracy as optimistic, or score a separate test folder with --eval-only "
+                    "--val-rate 1.", args.weights)
 
 
 def _class_mismatch(path: str, trained_on: list[str], classes: list[str], redo: str) -> str:
@@ -721,6 +737,66 @@ def _is_checkpoint(obj: Any) -> bool:
     return isinstance(obj, dict) and "model" in obj and "epoch" in obj
 
 
+def _nfc(names: list[str] | None) -> list[str] | None:
+    """Class names in NFC, as the scan names them (a macOS copy writes NFD)."""
+    return None if names is None else [unicodedata.normalize("NFC", n) for n in names]
+
+
+def _redrawn(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """``--seed``/``--val-rate`` that differ from ``saved`` (a run's args): each draws another
+    split, so validation would include images that run trained on."""
+    return [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
+            for k in ("seed", "val_rate") if k in saved and saved[k] != getattr(args, k)]
+
+
+def _old_split(ckpt: dict[str, Any]) -> bool:
+    """True for our checkpoints from before the per-file split (their fingerprint has no scheme
+    prefix, or there is none); a hand-made checkpoint without our args is not judged."""
+    return "args" in ckpt and not str(ckpt.get("val_split")).startswith(SPLIT_SCHEME)
+
+
+def _check_split(ckpt: dict[str, Any], path: str, args: argparse.Namespace, *, warn: bool,
+                 val_split: str | None) -> None:
+    """Refuse to resume on another train/validation split; say what an evaluation scores."""
+    redrawn = _redrawn(ckpt.get("args", {}), args)
+    if redrawn and not args.eval_only:
+        raise CheckpointError(f"{path} was trained with {', '.join(redrawn)}: another value "
+                              "draws another train/validation split, so validation would include "
+                              "images it trained on; resume with the values it was trained with, "
+                              "or start over with --resume none or another --output-dir.")
+    data = args.data_path or "the demo data"
+    if redrawn and warn and args.val_rate >= 1:
+        log.info("--val-rate 1: scoring every image of %s (should it hold images %s trained on, "
+                 "the accuracy is optimistic).", data, path)
+    elif redrawn and warn:
+        log.warning("%s was trained with %s: this evaluation draws another validation split, "
+                    "which may include images it trained on; pass the values it was trained "
+                    "with to score it on its own validation images.", path, ", ".join(redrawn))
+    elif redrawn or val_split is None or ckpt.get("val_split") == val_split:
+        return
+    elif _old_split(ckpt):
+        old = (f"{path} was made by an earlier version of this template, which drew the "
+               "validation split another way, so validation would include images it trained on")
+        if not args.eval_only:
+            raise CheckpointError(f"{old}; finish it with the version that started it, or start "
+                                  "over with --resume none or another --output-dir.")
+        if warn:
+            log.warning("%s; this evaluation's accuracy is optimistic.", old)
+    elif "val_split" not in ckpt:  # hand-made, without our args: its split is unknown
+        return
+    elif warn and args.eval_only:
+        log.warning("the validation images differ from those %s was validated on (other or "
+                    "changed data): this scores the --val-rate %g split of %s; to score every "
+                    "image of a separate test folder, add --val-rate 1.", path, args.val_rate,
+                    data)
+    elif warn:
+        log.warning("the validation images differ from those %s was validated on: val accuracy "
+                    "is not comparable with earlier epochs. Added or removed images move no "
+                    "other file across the split (a file's side depends only on its path and "
+                    "--seed), but a renamed or moved file is new to it and may have been "
+                    "trained on under its old name.", path)
+
+
 def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
                       classes: list[str], *, warn: bool, val_split: str | None = None) -> None:
     """Refuse what cannot go on from ``ckpt`` (another model, other classes, ...); warn of the
@@ -733,52 +809,13 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
                               f"--model {args.model}; use a matching --model or another "
                               "--output-dir.")
     # Labels are folder indices: the same count in another order would train on wrong labels.
-    trained_on = ckpt.get("classes")
-    if trained_on is not None:  # compared in NFC, as the scan names them (a macOS copy is NFD)
-        trained_on = [unicodedata.normalize("NFC", c) for c in trained_on]
+    trained_on = _nfc(ckpt.get("classes"))
     if trained_on is not None and trained_on != list(classes):
         raise CheckpointError(_class_mismatch(path, trained_on, classes, redo))
     if trained_on is None and saved.get("num_classes", len(classes)) != len(classes):
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
                               f"has {len(classes)}; {redo}.")
-    # The split is drawn from (seed, val rate): another one would validate on training images.
-    redrawn = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
-               for k in ("seed", "val_rate") if k in saved and saved[k] != getattr(args, k)]
-    if redrawn and not args.eval_only:
-        raise CheckpointError(f"{path} was trained with {', '.join(redrawn)}: another value "
-                              "draws another train/validation split, so validation would include "
-                              "images it trained on; resume with the values it was trained with, "
-                              "or start over with --resume none or another --output-dir.")
-    if redrawn and warn and args.val_rate >= 1:
-        log.info("--val-rate 1: scoring every image of %s (should it hold images %s trained on, "
-                 "the accuracy is optimistic).", args.data_path or "the demo data", path)
-    elif redrawn and warn:
-        log.warning("%s was trained with %s: this evaluation draws another validation split, "
-                    "which may include images it trained on; pass the values it was trained "
-                    "with to score it on its own validation images.", path, ", ".join(redrawn))
-    elif val_split is not None and ckpt.get("val_split") != val_split and (
-            "val_split" in ckpt or "args" in ckpt):  # a hand-made checkpoint: no split known
-        if not str(ckpt.get("val_split")).startswith(SPLIT_SCHEME):  # absent before it was kept
-            old_split = (f"{path} was made by an earlier version of this template, which drew "
-                         "the validation split another way, so validation would include images "
-                         "it trained on")
-            if not args.eval_only:
-                raise CheckpointError(f"{old_split}; finish it with the version that started "
-                                      "it, or start over with --resume none or another "
-                                      "--output-dir.")
-            if warn:
-                log.warning("%s; this evaluation's accuracy is optimistic.", old_split)
-        elif warn and args.eval_only:
-            log.warning("the validation images differ from those %s was validated on (other or "
-                        "changed data): this scores the --val-rate %g split of %s; to score every "
-                        "image of a separate test folder, add --val-rate 1.", path,
-                        args.val_rate, args.data_path or "the demo data")
-        elif warn:
-            log.warning("the validation images differ from those %s was validated on: val "
-                        "accuracy is not comparable with earlier epochs. Added or removed images "
-                        "move no other file across the split (a file's side depends only on its "
-                        "path and --seed), but a renamed or moved file is new to it and may have "
-                        "been trained on under its old name.", path)
+    _check_split(ckpt, path, args, warn=warn, val_split=val_split)
     frozen = saved.get("freeze_layers", args.freeze_layers)
     if frozen != args.freeze_layers and not args.eval_only:
         # The optimizer state holds one entry per trainable tensor: it cannot be carried over.
@@ -976,15 +1013,11 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
 
     # A resumed run's weights come from its checkpoint: --weights only started it, and may be
     # gone by now (a scratch file, a relative path from another folder) without stopping a rerun.
-    model = _build_model(args, info, classes, load_weights=resume_path is None)
+    model = _build_model(args, info, classes, load_weights=resume_path is None,
+                         val_split=val_split)
     _check_norm_batch(args, info, model)
     ckpt = (_load_checkpoint(resume_path, args, classes, warn=info.is_main, val_split=val_split)
             if resume_path else None)
-    if args.eval_only and args.weights and _is_checkpoint(weights := load_file(args.weights)):
-        # A full checkpoint scored through --weights gets the checks --resume would make: its
-        # classes in another order would score every image against the wrong label.
-        _check_checkpoint(weights, args.weights, args, classes, warn=info.is_main,
-                          val_split=val_split)
     if ckpt is not None:
         state, own = extract_state_dict(ckpt, resume_path), model.state_dict()
         # Checkpoints without recorded args (or from edited code) are checked by shape.
@@ -1215,7 +1248,7 @@ SPLIT_SCHEME = "hash1:"
 def _split_digest(root: str | os.PathLike, paths: list[str]) -> str:
     """A short fingerprint of which files are validation images (relative to the data root, so
     a moved data set keeps it), prefixed by the split scheme."""
-    names = sorted(unicodedata.normalize("NFC", os.path.relpath(p, root)) for p in paths)
+    names = sorted(split_key(p, str(root)) for p in paths)
     digest = hashlib.sha256("\n".join(names).encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return SPLIT_SCHEME + digest
 
@@ -1316,7 +1349,6 @@ def _confusion_figure(result: EvalResult, classes: list[str]):
             ax.text(j, i, str(v), ha="center", va="center", fontsize=7)
     fig.tight_layout()
     return fig
-
 
 
 def _report_eval(result: EvalResult, classes: list[str]) -> None:

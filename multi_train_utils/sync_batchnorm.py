@@ -66,11 +66,12 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         # Statistics in float32 even under bf16/fp16 autocast, as torch's BatchNorm keeps them:
         # 8-bit mantissa sums (and counts: 87808 rounds to 88064) are off by whole units.
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
-        # Sums are taken around a detached shift (the running mean) so that E[x^2] - E[x]^2 does
-        # not cancel catastrophically in float32 when |mean| >> std; variance is shift-invariant.
-        # A copy: the graph must not hold running_mean, which is updated in place below (under
-        # torch.compile the backward would find it modified).
         count = torch.full((1,), input.numel() / channels, dtype=x.dtype, device=x.device)
+        # Sums are taken around a detached shift, the same on every rank, so that E[x^2] - E[x]^2
+        # does not cancel catastrophically in float32 when |mean| >> std; variance is
+        # shift-invariant. The running mean, as a copy: the graph must not hold running_mean,
+        # which is updated in place below (under torch.compile the backward would find it
+        # modified); without running statistics, the global batch mean (one more all-reduce).
         if self.running_mean is not None:
             shift = self.running_mean.detach().clone().to(x.dtype)
         else:  # no running mean to share: every rank must use the same shift, the global mean

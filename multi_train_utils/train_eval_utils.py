@@ -131,8 +131,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)
         # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
-        n_valid = (torch.tensor(labels.shape[0], device=device) if labels.is_floating_point()
-                   else (labels != IGNORE_INDEX).sum())
+        n_valid = (torch.full((), labels.shape[0], device=device)  # filled there: no copy
+                   if labels.is_floating_point() else (labels != IGNORE_INDEX).sum())
         last_micro = (step + 1) % grad_accum_steps == 0 or step + 1 == steps
         sync_context = (model.no_sync() if not last_micro and hasattr(model, "no_sync")
                         else contextlib.nullcontext())
@@ -258,8 +258,8 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
                         "DistributedSampler(val_set, shuffle=False).", get_world_size())
         if (sampler is not None and sampler.drop_last) or getattr(
                 data_loader.batch_sampler, "drop_last", False):
-            log.warning("evaluate: the val loader drops the last incomplete batch "
-                        "(drop_last=True): some val samples are never scored")
+            log.warning("evaluate: the val loader or its DistributedSampler has drop_last=True, "
+                        "so some val samples are never scored; build both with drop_last=False.")
     world, rank = (sampler.num_replicas, sampler.rank) if sampler is not None else (1, 0)
     num_real = len(sampler.dataset) if sampler is not None else None
 

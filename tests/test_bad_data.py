@@ -139,7 +139,8 @@ def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
     indices = json.loads((tmp_path / "class_indices.json").read_text(encoding="utf-8"))
     assert indices == {str(i): c for i, c in enumerate(USED_CLASSES)}
     assert len(train_p) + len(val_p) == 20 and set(train_y + val_y) == {0, 1, 2, 3}
-    # With a few images per class the hash split can leave a side empty: said once per kind.
+    # With a few images per class the hash split can leave a side empty (with seed 0 it puts
+    # none of café's 7 in validation, and single's one there): said once per kind.
     assert set(train_y) == {0, 1, 3} and set(val_y) == {1, 2, 3}
     assert caplog.text.count("1 class(es) got no validation image") == 1
     assert "accuracy is not measured (images per class in brackets): café (7);" in caplog.text
@@ -364,7 +365,7 @@ def test_validation_resize_caps_the_long_side_of_a_strip():
     val = get_transforms(32)["val"]
     strip = torch.zeros(3, 2, 20000, dtype=torch.uint8)  # 256 x 2.5M pixels without the cap
     assert val(strip).shape == (3, 32, 32)
-    wide = torch.randint(0, 256, (3, 60, 300), dtype=torch.uint8)  # 5:1 is under the cap
+    wide = torch.randint(0, 256, (3, 60, 300), dtype=torch.uint8)  # 5:1: cut to 2:1 first
     plain = v2.Compose([v2.Resize(36, antialias=True), v2.CenterCrop(32)])
     assert (val(wide).int() - plain(wide).int()).abs().max() <= 1  # the same crop, to rounding
 
@@ -457,8 +458,8 @@ def test_build_data_rejects_empty_val_split_and_too_few_images(tmp_path):
         _build_data(args, DistInfo(), tmp_path / "out")
     root = two_class_data(tmp_path / "data", 4)
     args.data_path = str(root)
-    # 8 images, 1 to val: 7 training images for 2 processes x 4 (single process here, the check
-    # only reads world_size; the torchrun test below runs it for real).
+    # 8 images, 1 to val (seed 0's hash): 7 training images for 2 processes x 4 (single
+    # process here, the check only reads world_size; the torchrun test below runs it for real).
     args.val_rate = 0.25
     with pytest.raises(DataError, match=r"7 training images are fewer than world size 2 x "
                                         r"batch size 4 = 8"):
@@ -745,7 +746,7 @@ def test_torchrun_user_errors_stop_every_rank(tmp_path, case):
         needle = f"data path {data} is not a folder; expected a folder"
         timeout = 60  # a rank left waiting in a collective would hit this
     else:
-        data = two_class_data(tmp_path / "data", 4)  # 8 images, 1 for val -> 7 < 2 x 4
+        data = two_class_data(tmp_path / "data", 4)  # seed 0: 1 of 8 for val -> 7 < 2 x 4
         needle = "7 training images are fewer than world size 2 x batch size 4 = 8"
         timeout = 90  # this one imports and scans first
     res = run(torchrun_cmd(2, LAUNCH, "--data-path", str(data), *TINY_FLAGS, "--epochs", "1",

@@ -730,7 +730,8 @@ def test_evaluate_warns_when_a_loader_would_count_samples_twice_or_drop_them(eva
     assert per_rank[1] == [f"num_samples={2 * VAL_SIZE}"]  # said once, by rank 0
     dropping = DataLoader(TensorDataset(images, labels), batch_size=4, drop_last=True)
     assert evaluate(model, dropping, CPU).num_samples == 8
-    assert "the val loader drops the last incomplete batch (drop_last=True)" in caplog.text
+    assert ("evaluate: the val loader or its DistributedSampler has drop_last=True, so some val "
+            "samples are never scored; build both with drop_last=False.") in caplog.text
 
 
 # ------------------------------------------------------------------ 7. reproducible end to end
