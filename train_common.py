@@ -565,9 +565,8 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
         # image against the wrong label), another split.
         _check_checkpoint(source, args.weights, args, classes, warn=info.is_main,
                           val_split=val_split)
-    elif args.eval_only and trained_on not in (None, classes):
-        raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
-                                              "evaluate it on the data it was trained on"))
+    elif args.eval_only:  # bare weights: their run's files, where found, say what they are
+        _check_bare_weights(args, trained_on, classes, warn=info.is_main)
     new_head = trained_on not in (None, classes) and not args.eval_only
     if trained_on == classes and not args.eval_only and info.is_main:
         _warn_if_split_differs(source, args)
@@ -600,6 +599,34 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                     len(backbone), args.model, args.weights, short_list(backbone, 3))
 
 
+def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
+                        classes: list[str], *, warn: bool) -> None:
+    """Eval-only of bare weights: refuse another model or other classes, as named by the
+    args.json and class_indices.json of their run; say when there is nothing to check by."""
+    trained_with = _run_args_near(args.weights).get("model")
+    if trained_with and trained_with != args.model:
+        raise CheckpointError(f"{args.weights} was trained with --model {trained_with} (its run's "
+                              f"args.json) but this run has --model {args.model}; use --model "
+                              f"{trained_with}.")
+    if trained_on is None and warn:
+        log.warning("no class_indices.json beside %s (or one folder up): its class names cannot "
+                    "be checked against the data's; if they differ, the accuracy is meaningless.",
+                    args.weights)
+    elif trained_on is not None and trained_on != classes:
+        raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
+                                              "evaluate it on the data it was trained on"))
+
+
+def _run_args_near(weights: str) -> dict[str, Any]:
+    """The args.json of the run that wrote bare ``weights`` ({} if none or unreadable)."""
+    found = find_run_file(weights, "args.json")
+    try:
+        saved = json.loads(found.read_text(encoding="utf-8")) if found else {}
+    except (OSError, ValueError):
+        saved = {}
+    return saved if isinstance(saved, dict) else {}
+
+
 def _weights_classes(path: str, source: Any) -> list[str] | None:
     """The class names ``path`` was trained on, in NFC: a checkpoint's own list, else the run's
     class_indices.json beside bare weights (or one folder up, as training writes them)."""
@@ -621,12 +648,7 @@ def _warn_if_split_differs(source: Any, args: argparse.Namespace) -> None:
     if _is_checkpoint(source):
         saved, old = source.get("args", {}), _old_split(source)
     else:
-        found = find_run_file(args.weights, "args.json")
-        try:
-            saved = json.loads(found.read_text(encoding="utf-8")) if found else {}
-        except (OSError, ValueError):
-            saved = {}
-        saved, old = saved if isinstance(saved, dict) else {}, False
+        saved, old = _run_args_near(args.weights), False
     redrawn = _redrawn(saved, args)
     if redrawn:
         log.warning("%s was trained on these classes with %s: this run's validation split may "
@@ -806,8 +828,8 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
             "resume with the data it was trained on, or use another --output-dir")
     if "model" in saved and saved["model"] != args.model:
         raise CheckpointError(f"{path} was trained with --model {saved['model']} but this run has "
-                              f"--model {args.model}; use a matching --model or another "
-                              "--output-dir.")
+                              f"--model {args.model}; use --model {saved['model']}"
+                              f"{'' if args.eval_only else ' or another --output-dir'}.")
     # Labels are folder indices: the same count in another order would train on wrong labels.
     trained_on = _nfc(ckpt.get("classes"))
     if trained_on is not None and trained_on != list(classes):

@@ -100,6 +100,10 @@ def _inputs_and_labels(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tens
         raise TypeError(f"{where} takes batches of (inputs, labels), got {what}; give the "
                         "DataLoader a collate_fn that returns (inputs, labels).")
     images, labels = batch
+    if labels.is_floating_point() and labels.dim() == 1:  # (N,) floats: indices in the wrong dtype
+        raise TypeError(f"{where} takes class indices as integers, got {labels.dtype} labels of "
+                        f"shape {tuple(labels.shape)}; convert them with .long() (class "
+                        "probabilities are (N, C)).")
     return images, labels if labels.is_floating_point() else labels.long()
 
 

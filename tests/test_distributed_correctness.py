@@ -684,6 +684,11 @@ def test_batches_evaluate_cannot_use_are_one_sentence():
                                         r"got a dict with keys image, label; give the DataLoader "
                                         r"a collate_fn that returns \(inputs, labels\).$"):
         train_one_epoch(model, optimizer, dicts, CPU, 0)
+    floats = DataLoader(TensorDataset(images, labels.float()), batch_size=3)  # indices as floats
+    with pytest.raises(TypeError, match=r"^train_one_epoch takes class indices as integers, got "
+                                        r"torch.float32 labels of shape \(3,\); convert them with "
+                                        r"\.long\(\) \(class probabilities are \(N, C\)\).$"):
+        train_one_epoch(model, optimizer, floats, CPU, 0)
     soft = DataLoader(TensorDataset(images, F.one_hot(labels, 4).float()), batch_size=3)
     with pytest.raises(ValueError, match=r"^evaluate needs class indices \(N,\) as labels, got "
                                          r"float labels of shape \(3, 4\)"):

@@ -920,6 +920,18 @@ def test_bare_weights_are_checked_against_their_runs_class_names(run_a, tmp_path
                                  str(weights)))
     assert code == 2 and (f"error: {weights} was trained on the classes daisy, dandelion, roses, "
                           "sunflowers, tulips but the data has a_tulips") in err, err[-3000:]
+    # Another --model is named from the run's args.json; weights alone are scored with a warning.
+    code, err = train_here(flags(tiny_data, tmp_path / "eval", "--eval-only", "--weights",
+                                 str(weights), "--model", "resnet34"))
+    assert code == 2 and (f"error: {weights} was trained with --model resnet18 (its run's "
+                          "args.json) but this run has --model resnet34; use --model resnet18."
+                          ) in err, err[-3000:]
+    alone = tmp_path / "alone.pth"
+    shutil.copy(weights, alone)
+    code, err = train_here(flags(tiny_data, tmp_path / "eval", "--eval-only", "--weights",
+                                 str(alone)))
+    assert code == 0 and (f"no class_indices.json beside {alone} (or one folder up): its class "
+                          "names cannot be checked") in err, err[-3000:]
     out = tmp_path / "fine-tune"  # training from them: the head starts new
     code, err = train_here(flags(data, out, "--epochs", "1", "--weights", str(weights)))
     assert code == 0, err[-3000:]
@@ -1520,9 +1532,9 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
                  str(run_a / "weights" / "model-0.pth")]
         expect = "--eval-only got both --resume"
     else:  # resnet18 weights evaluated as resnet34 would print a meaningless accuracy
-        extra = ["--eval-only", "--weights", str(run_a / "weights" / "model-0.pth"), "--model",
-                 "resnet34"]
-        expect = "--eval-only: "
+        alone = Path(shutil.copy(run_a / "weights" / "model-0.pth", tmp_path / "w.pth"))
+        extra = ["--eval-only", "--weights", str(alone), "--model", "resnet34"]
+        expect = "--eval-only: "  # no args.json beside it: the tensors tell
     code, err = train_here(flags(tiny_data, out, *extra))
     assert code == 2, err[-3000:]
     errors = [line for line in err.splitlines() if "error:" in line]
