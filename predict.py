@@ -56,7 +56,8 @@ from torchvision.transforms import v2
 
 from model import MODELS
 from my_dataset import check_image, load_image_tensor, printable_path
-from utils import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms, user_path
+from utils import (IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms,
+                   run_args_near, user_path)
 
 log = logging.getLogger(__name__)
 
@@ -454,18 +455,9 @@ def _run_args_near(weights: Path) -> tuple[dict[str, Any], Path | None]:
     Bare state dicts carry no args, but the run's folder records its model and img_size; without
     them a resnet18 trained at 64 px would be rebuilt as the default resnet34 at 224 px.
     """
-    path = find_run_file(weights, "args.json")
-    if path is None:
-        return {}, None
-    try:
-        run_args = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        log.warning("Ignoring %s, which cannot be read as JSON (%s).", path, exc)
-        return {}, None
-    if not isinstance(run_args, dict):
-        log.warning("Ignoring %s, which is not a JSON object.", path)
-        return {}, None
-    log.info("Bare weights: using the model and img-size recorded in %s unless given.", path)
+    run_args, path = run_args_near(weights)
+    if path is not None:
+        log.info("Bare weights: using the model and img-size recorded in %s unless given.", path)
     return run_args, path
 
 

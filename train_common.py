@@ -43,7 +43,8 @@ from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_am
 from my_dataset import MyDataSet
 from utils import (DataError, default_demo_root, find_run_file, get_transforms, make_demo_data,
                    missing_glyphs_ignored, plot_class_distribution, scan_image_folder,
-                   short_list, split_key, split_train_val, user_path, write_json_atomic)
+                   run_args_near, short_list, split_key, split_train_val, user_path,
+                   write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -603,7 +604,7 @@ def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
                         classes: list[str], *, warn: bool) -> None:
     """Eval-only of bare weights: refuse another model or other classes, as named by the
     args.json and class_indices.json of their run; say when there is nothing to check by."""
-    trained_with = _run_args_near(args.weights).get("model")
+    trained_with = run_args_near(args.weights)[0].get("model")
     if trained_with and trained_with != args.model:
         raise CheckpointError(f"{args.weights} was trained with --model {trained_with} (its run's "
                               f"args.json) but this run has --model {args.model}; use --model "
@@ -615,16 +616,6 @@ def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
     elif trained_on is not None and trained_on != classes:
         raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
                                               "evaluate it on the data it was trained on"))
-
-
-def _run_args_near(weights: str) -> dict[str, Any]:
-    """The args.json of the run that wrote bare ``weights`` ({} if none or unreadable)."""
-    found = find_run_file(weights, "args.json")
-    try:
-        saved = json.loads(found.read_text(encoding="utf-8")) if found else {}
-    except (OSError, ValueError):
-        saved = {}
-    return saved if isinstance(saved, dict) else {}
 
 
 def _weights_classes(path: str, source: Any) -> list[str] | None:
@@ -648,7 +639,7 @@ def _warn_if_split_differs(source: Any, args: argparse.Namespace) -> None:
     if _is_checkpoint(source):
         saved, old = source.get("args", {}), _old_split(source)
     else:
-        saved, old = _run_args_near(args.weights), False
+        saved, old = run_args_near(args.weights)[0], False
     redrawn = _redrawn(saved, args)
     if redrawn:
         log.warning("%s was trained on these classes with %s: this run's validation split may "

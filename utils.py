@@ -239,6 +239,23 @@ def find_run_file(weights: str | os.PathLike, name: str) -> Path | None:
     return None
 
 
+def run_args_near(weights: str | os.PathLike) -> tuple[dict, Path | None]:
+    """The ``args.json`` of the run that wrote ``weights`` (see :func:`find_run_file`) and its
+    path, or ``({}, None)`` when there is none or it is not a JSON object (said in a warning)."""
+    path = find_run_file(weights, "args.json")
+    if path is None:
+        return {}, None
+    try:
+        run_args = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning("Ignoring %s, which cannot be read as JSON (%s).", path, exc)
+        return {}, None
+    if not isinstance(run_args, dict):
+        log.warning("Ignoring %s, which is not a JSON object.", path)
+        return {}, None
+    return run_args, path
+
+
 def _check_class_names(root: str, class_names: list[str]) -> None:
     """Refuse class folders that are not classes: a data set already split into train/ and
     val/ (it would train two classes, "train" and "val"), or two folders with one name written
