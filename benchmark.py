@@ -16,6 +16,10 @@
    Efficiency = img/s(N) / (N x img/s(1)).
 4. Peak memory per rank: each rank process's peak RSS on CPU (``VmHWM``; ``ru_maxrss`` where
    there is no /proc), ``torch.cuda.max_memory_allocated`` on CUDA.
+5. Training with data (one process): ``train_one_epoch`` fed by the training script's loader
+   (workers decoding the JPEGs of stage 1), beside that loader alone and stage 2's compute
+   alone, so the table says which of the two limits training. On a GPU this is the figure to
+   hold against the target (ResNet34, 224 px, bf16, channels-last: 5,000 img/s on an H200).
 
     python benchmark.py                     # CPU: ResNet34 at 64 px, 1 and 2 processes
     python benchmark.py --device cuda       # every visible GPU: NCCL, AMP, channels-last
@@ -73,6 +77,8 @@ log = logging.getLogger("benchmark")
 FLOWER_TRAIN_IMAGES = 2935
 PIPELINE_TARGET = 1.6  # ours / template images per second per worker
 LOOP_TARGET = 0.95  # train_one_epoch / bare loop images per second
+# Data included, one GPU: the issue's H200 target for ResNet34 at 224 px, bf16, channels-last.
+CUDA_TARGET_IMG_PER_S = 5000
 OVERHEAD_STEPS = 200  # steps of the near-free model that measure the loop's own cost
 
 
@@ -415,6 +421,78 @@ def bench_loop(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
             "overhead": overhead}
 
 
+# ---------------------------------------------------------------- 5. training with data
+def _data_loader(paths: Sequence[str], args: argparse.Namespace, device: torch.device,
+                 workers: int) -> torch.utils.data.DataLoader:
+    """The training script's train loader over the photos, repeated to ``--steps`` full batches.
+
+    As ``train_common`` builds it: ``MyDataSet(decoder="tensor")`` with the training transform
+    at ``--img-size``, ``persistent_workers`` with ``prefetch_factor=4``, ``pin_memory`` on CUDA.
+    """
+    from torch.utils.data import DataLoader
+
+    from my_dataset import MyDataSet
+    from utils import get_transforms
+
+    count = args.steps * args.batch_size
+    dataset = MyDataSet([paths[i % len(paths)] for i in range(count)],
+                        [i % args.num_classes for i in range(count)],
+                        get_transforms(args.img_size)["train"], decoder="tensor", seed=args.seed)
+    more: dict[str, Any] = dict(persistent_workers=True, prefetch_factor=4) if workers else {}
+    return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                      num_workers=workers, collate_fn=MyDataSet.collate_fn,
+                      pin_memory=device.type == "cuda",
+                      generator=torch.Generator().manual_seed(args.seed), **more)
+
+
+def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Sequence[str],
+                    compute_img_per_s: float) -> dict[str, Any]:
+    """Images/s of ``train_one_epoch`` fed by the training script's loader: JPEGs to weights.
+
+    One process, the model of stage 2. Beside it, the same loader alone (workers decode, augment
+    and collate; the main process copies each batch to the device): what the workers can supply.
+    Stage 2's ``train_one_epoch`` on pre-loaded batches is what the model can consume. The
+    smaller of the two limits training; ``data_efficiency`` is what reading the data costs.
+    On a GPU this is the figure that counts, and the pipeline's nvJPEG rate (stage 1) says what
+    decoding on the GPU instead of in the CPU workers could supply.
+    """
+    from train_common import default_workers
+
+    workers = default_workers(args.batch_size) if args.workers is None else args.workers
+    images = args.steps * args.batch_size
+    with _num_threads(args.threads) if device.type == "cpu" else contextlib.nullcontext():
+        torch.manual_seed(args.seed)
+        model, optimizer, scaler = _build(args, device)
+        loader = _data_loader(paths, args, device, workers)
+
+        def loader_alone() -> None:
+            for batch_images, labels in loader:
+                batch_images.to(device, non_blocking=True)
+                labels.to(device, non_blocking=True)
+
+        def training() -> None:
+            _quiet_train_one_epoch(model, optimizer, loader, device, args, scaler)
+
+        training()  # warm-up: starts the persistent workers; cuDNN picks its kernels
+        runs: dict[str, list[float]] = {"loader": [], "training": []}
+        passes = {"loader": loader_alone, "training": training}
+        for r in range(args.repeats):
+            for name in ("loader", "training") if r % 2 == 0 else ("training", "loader"):
+                runs[name].append(_rate(images, passes[name], device))
+    loader_rate = statistics.median(runs["loader"])
+    with_data = statistics.median(runs["training"])
+    return {"model": args.model, "img_size": args.img_size, "batch_size": args.batch_size,
+            "workers": workers, "images_per_pass": images, "files": len(paths),
+            "device": str(device), "threads": args.threads,
+            "loader_img_per_s": loader_rate, "loader_runs_img_per_s": runs["loader"],
+            "with_data_img_per_s": with_data, "with_data_runs_img_per_s": runs["training"],
+            "with_data_best_img_per_s": max(runs["training"]),
+            "compute_img_per_s": compute_img_per_s,
+            "data_efficiency": with_data / compute_img_per_s,
+            "limited_by": "input pipeline" if loader_rate < compute_img_per_s else "compute",
+            "target_img_per_s": CUDA_TARGET_IMG_PER_S if device.type == "cuda" else None}
+
+
 # ---------------------------------------------------------------- 3./4. scaling and memory
 def _barrier(info: DistInfo) -> None:
     _sync(info.device)
@@ -706,6 +784,19 @@ def format_table(report: dict[str, Any]) -> str:
         first = next(iter(s["results"].values()))
         lines.append(f"   (peak RSS includes ~{first['rss_at_start_mib'][0]:.0f} MiB a rank holds "
                      "after importing torch, before any model or data)")
+    d = report["with_data"]
+    target = (f"   target >= {d['target_img_per_s']} on an H200 (resnet34, 224 px, bf16, "
+              "channels-last)" if d["target_img_per_s"] else "")
+    lines += ["",
+              f"5. Training with data, img/s (1 process; {d['model']}, {d['img_size']} px, batch "
+              f"{d['batch_size']}, {d['workers']} loader worker(s); {d['files']} JPEGs "
+              f"{p['image_width']}x{p['image_height']}; median of {cfg['repeats']})",
+              row(f"loader alone: decode + augment, copy to {d['device'].split(':')[0]}",
+                  f"{d['loader_img_per_s']:.1f}"),
+              row("compute alone: stage 2, pre-loaded batches", f"{d['compute_img_per_s']:.1f}"),
+              row("train_one_epoch fed by the loader", f"{d['with_data_img_per_s']:.1f}", target),
+              row("with data / compute alone", f"{d['data_efficiency']:.3f}",
+                  f"   limited by {d['limited_by']}")]
     return "\n".join(lines)
 
 
@@ -728,9 +819,10 @@ def write_chart(report: dict[str, Any], path: Path) -> Path:
     axes[0].set_ylabel("images / s per worker")
     axes[0].set_title(f"input pipeline (crop {p['crop']}): {p['ratio']:.2f}x")
 
-    bars = axes[1].bar(["bare loop", "train_one_epoch"],
-                       [loop["bare_img_per_s"], loop["ours_img_per_s"]],
-                       color=["#999999", "#1f77b4"])
+    d = report["with_data"]
+    bars = axes[1].bar(["bare loop", "train_one_epoch", f"with data\n({d['workers']} workers)"],
+                       [loop["bare_img_per_s"], loop["ours_img_per_s"], d["with_data_img_per_s"]],
+                       color=["#999999", "#1f77b4", "#2ca02c"])
     axes[1].bar_label(bars, fmt="%.1f")
     axes[1].set_ylabel("images / s")
     axes[1].set_title(f"training loop: efficiency {loop['efficiency']:.3f}\n(overhead "
@@ -803,6 +895,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         ("epoch-images", args.epoch_images), ("num-classes", args.num_classes)):
         if value < 1:
             sys.exit(f"error: --{flag} must be at least 1, not {value}.")
+    if args.workers is not None and args.workers < 0:
+        sys.exit(f"error: --workers must be 0 or more, not {args.workers}.")
     procs = _process_counts(max_procs)
     usable = _usable_cpus()
     if not use_cuda and max_procs * args.threads > usable:
@@ -816,23 +910,26 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                               "config": {**vars(args), "procs": procs},
                               "versions": _versions(), "host": _host_info(device)}
     image_dir = Path(args.image_dir) if args.image_dir else default_image_dir()
-    log.info("1/3 input pipeline: %d JPEGs in %s", args.pipeline_images, image_dir)
+    log.info("1/4 input pipeline: %d JPEGs in %s", args.pipeline_images, image_dir)
     paths = make_photos(image_dir, args.pipeline_images, seed=args.seed)
     report["pipeline"] = bench_pipeline(paths, args.pipeline_size, args.batch_size, args.repeats)
     if gpu_decode:
         report["pipeline"]["gpu_decode"] = bench_gpu_decode(paths, args.pipeline_size,
                                                             args.batch_size, args.repeats, device)
-    log.info("2/3 training loop: %s at %d px on %s", args.model, args.img_size, device)
+    log.info("2/4 training loop: %s at %d px on %s", args.model, args.img_size, device)
     if use_cuda:
         torch.backends.cudnn.benchmark = True  # as the training script: fixed input size
     report["loop"] = bench_loop(args, device)
     if use_cuda:
         torch.cuda.empty_cache()  # leave GPU 0 to the rank that uses it next
-    log.info("3/3 scaling: %s process(es)", ", ".join(map(str, procs)))
+    log.info("3/4 scaling: %s process(es)", ", ".join(map(str, procs)))
     report["scaling"] = bench_scaling(args, device, procs)
     report["peak_memory"] = {
         "kind": report["scaling"]["memory_kind"], "unit": "MiB",
         "per_rank": {n: e["peak_memory_mib"] for n, e in report["scaling"]["results"].items()}}
+    log.info("4/4 training with data: the training loader over the %d JPEGs, %s at %d px",
+             args.pipeline_images, args.model, args.img_size)
+    report["with_data"] = bench_with_data(args, device, paths, report["loop"]["ours_img_per_s"])
     report["host"]["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
     write_json_atomic(out / "benchmark.json", report)
@@ -870,6 +967,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                              "(default: ddp-template/bench_photos_v1 in $XDG_CACHE_HOME or ~/.cache)")
     parser.add_argument("--gpu-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="also time decode_jpeg(device='cuda') (default: on with CUDA)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="DataLoader workers of the with-data stage "
+                             "(default: the training script's, min(cpus per process, batch size, 8))")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=9,

@@ -17,8 +17,9 @@ Pick a model by name (this is what ``--model`` in the training script uses)::
     backbone = get_model("resnet50", include_top=False)            # (N, 3, H, W) -> (N, 2048, H/32, W/32)
     gn = get_model("resnet18", norm_layer=lambda c: nn.GroupNorm(32, c))  # no BatchNorm at all
 
-For multi-GPU training with small per-GPU batches, convert BatchNorm after building with
-``nn.SyncBatchNorm.convert_sync_batchnorm(model)`` rather than passing a norm layer here.
+For multi-process training with small per-process batches, convert BatchNorm after building
+with ``multi_train_utils.sync_batchnorm.convert_sync_batchnorm(model, device)`` (torch's
+``nn.SyncBatchNorm`` on CUDA, a gloo-capable one on CPU) rather than passing a norm layer here.
 
 Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs/1611.05431.
 """

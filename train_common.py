@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -32,11 +33,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from model import MODELS, get_model
 from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, extract_state_dict,
                                           load_file, load_matching_weights, prune_weights,
-                                          restore_rng_state, save_atomic, unwrap)
+                                          restore_rng_state, save_atomic, to_cpu, unwrap,
+                                          write_atomic)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, LaunchError,
                                                  all_gather_object, all_ranks_ok,
-                                                 broadcast_object, cleanup, init_distributed_mode,
-                                                 peer_failure, register_comm_hook)
+                                                 broadcast_object, cleanup, cpus_per_process,
+                                                 init_distributed_mode, peer_failure,
+                                                 register_comm_hook)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_amp_dtype,
                                                train_one_epoch)
@@ -117,8 +120,10 @@ FRACTION = _number(float, math.ulp(0.0), "above 0 and at most 1 (1 scores every 
 
 
 def default_workers(batch_size: int) -> int:
-    # The template's rule: one worker per sample of the batch, at most 8 and the CPU count.
-    return min(os.cpu_count() or 1, batch_size if batch_size > 1 else 0, 8)
+    # The template's rule: one worker per sample of the batch, at most 8 and the CPU count, but
+    # counting the CPUs this process may use and shares with the other ranks on its node (8 GPU
+    # ranks on a 16-CPU allocation of a 128-core host get 2 workers each, not 8).
+    return min(cpus_per_process(), batch_size if batch_size > 1 else 0, 8)
 
 
 def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse.ArgumentParser:
@@ -141,7 +146,8 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     data.add_argument("--num-classes", "--num_classes", type=POSITIVE_INT, default=None,
                       help="number of classes (default: the number of class folders)")
     data.add_argument("--workers", type=COUNT, default=None,
-                      help="DataLoader workers per process (default: min(cpus, batch size, 8))")
+                      help="DataLoader workers per process (default: min(cpus per process, batch "
+                           "size, 8))")
     data.add_argument("--verify-images", action=BoolFlag, default=True,
                       help="check every image's header (and end marker) before training; "
                            "unreadable files are skipped and listed")
@@ -336,8 +342,8 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup &)
         signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
-    global _signal_received
-    _signal_received = None
+    global _signal_received, _waiting_for
+    _signal_received = _waiting_for = None
     info = None
     try:
         with _signals_default():
@@ -364,6 +370,10 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
                       "with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE, reachable from all "
                       "(inside a SLURM allocation: start them with srun).", reason)
             sys.exit(1)
+        if _waiting_for:  # rank 0 may be busy, not dead: a slow scan ends here too
+            log.error("error: lost contact with the other processes of the run %s (%s).",
+                      _waiting_for, reason)
+            sys.exit(1)
         log.error("error: lost contact with the other processes of the run (%s); usually one of "
                   "them died or hung - its own output says why. Run the same command again: it "
                   "continues from %s.", reason, "the last complete checkpoint in "
@@ -374,6 +384,7 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         _quiet_second_signal()
         cleanup()
         _release_output_dir()
+        gc.unfreeze()  # train() may be called again in this process
         for signum, handler in saved_handlers.items():  # train() may be called again
             signal.signal(signum, handler)
 
@@ -408,6 +419,10 @@ def _seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed)
 
 
+# What this rank waits for in a long collective, for the "lost contact" message.
+_waiting_for: str | None = None
+
+
 def _scan_on_rank0(root: str, verify: bool, info: DistInfo):
     """Scan once (rank 0) and hand every rank the same result or the same error."""
     result: Any = None
@@ -418,7 +433,13 @@ def _scan_on_rank0(root: str, verify: bool, info: DistInfo):
             result = scan_image_folder(root, verify=verify)
         except DataError as exc:
             result = exc
+    global _waiting_for
+    if not info.is_main:
+        _waiting_for = (f"while waiting for rank 0 to scan {root}; if it was still scanning, "
+                        "the scan takes longer than --dist-timeout: raise it, or pass "
+                        "--no-verify-images for a faster scan")
     result = broadcast_object(result)
+    _waiting_for = None
     if isinstance(result, DataError):
         raise result
     return result
@@ -472,9 +493,10 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
         train_sampler, args.batch_size, drop_last=True), **loader_kwargs)
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
                             **loader_kwargs)
-    log.info("%s%d validation images, %d classes, %d loader workers per process",
+    # Both loaders keep their workers between epochs (persistent_workers): say both counts.
+    log.info("%s%d validation images, %d classes, %s loader workers per process",
              "" if args.eval_only else f"{len(train_set)} training / ", len(val_set), num_classes,
-             workers)
+             workers if args.eval_only else f"{workers} training + {workers} validation")
     return scan, train_set, val_set, train_sampler, train_loader, val_loader
 
 
@@ -717,6 +739,13 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
     path, error = broadcast_object((path, error))  # rank 0 decides, for every rank
     if error:
         raise CheckpointError(error)
+    if path is None and args.resume == "auto" and not all_ranks_ok(
+            not (out / "checkpoint.pth").is_file()):
+        # Rank 0 (with c10d rendezvous, whichever machine joined first) sees no checkpoint
+        # where another sees one: node-local output folders. Starting over would fork the run.
+        raise CheckpointError(f"{out / 'checkpoint.pth'} exists on some machines of this run "
+                              "but not on the one of rank 0; put --output-dir on storage all "
+                              "machines share, or copy the run's folder to each of them.")
     if path is not None and not all_ranks_ok(os.path.isfile(path)):
         raise CheckpointError(f"checkpoint {path} is not readable on every rank; put --output-dir "
                               "on storage all machines share, or copy the file to each of them.")
@@ -901,7 +930,8 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
         raise ConfigError(f"cannot write to --output-dir {out}: {exc.strerror}; choose a folder "
                           "you can write to.") from None
 
-    # Temp files of saves a kill -9 interrupted (save_atomic, _write_metrics): never read.
+    # Temp files of saves a kill -9 interrupted (write_atomic; metrics.jsonl.tmp of older
+    # versions): never read.
     stale = [*out.glob(".*.tmp"), *(out / "weights").glob(".*.tmp"), out / "metrics.jsonl.tmp"]
     removed = sum(1 for path in stale if path.is_file() and not path.unlink())
     if removed:
@@ -991,7 +1021,35 @@ def _jsonable(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
             for k, v in {**vars(args), **extra}.items()}
 
 
+# Flags that may differ between machines: where things are, and what only rank 0 does.
+PER_MACHINE_FLAGS = frozenset({"data_path", "demo_dir", "output_dir", "weights", "resume",
+                               "workers", "local_rank", "node_rank", "dist_url", "dist_timeout",
+                               "device", "verify_images", "tensorboard", "keep_last"})
+
+
+def _check_same_flags(args: argparse.Namespace, info: DistInfo) -> None:
+    """Every rank must train with the same flags. Another --lr or --img-size on one machine
+    trains silently wrong (rank 0 records its own); another --batch-size or --seed gives the
+    ranks other step counts, and they wait on each other until --dist-timeout."""
+    if not info.distributed:
+        return
+    flags = all_gather_object({key: value for key, value in _jsonable(args).items()
+                               if key not in PER_MACHINE_FLAGS})
+    differ = []
+    for key in sorted(flags[0]):
+        values = [rank_flags.get(key) for rank_flags in flags]
+        other = next((rank for rank, value in enumerate(values) if value != values[0]), None)
+        if other is not None:
+            differ.append(f"--{key.replace('_', '-')} {values[0]} on rank 0 but "
+                          f"{values[other]} on rank {other}")
+    if differ:
+        raise ConfigError(f"the processes of this run were started with different flags "
+                          f"({'; '.join(differ)}); start every process with the same "
+                          "training flags.")
+
+
 def _run(args: argparse.Namespace, info: DistInfo) -> None:
+    _check_same_flags(args, info)
     out = Path(args.output_dir)
     data_root = Path(args.data_path or args.demo_dir or default_demo_root())
     if not args.eval_only and out.resolve().is_relative_to(data_root.resolve()):
@@ -1015,8 +1073,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     device = info.device
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N processes x all-cores threads oversubscribe the CPU (2-5x slower here); share them.
-        local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_procs)))
+        torch.set_num_threads(cpus_per_process())
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest
     scan, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(args, info, out)
@@ -1084,7 +1141,6 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                     f"parameters ({exc}); resume with the flags it was trained with, or keep its "
                     f"weights and start a new schedule with --resume none --weights "
                     f"{resume_path}.") from None
-            scheduler.load_state_dict(ckpt["lr_scheduler"])
             if "scaler" in ckpt and scaler.is_enabled():
                 scaler.load_state_dict(ckpt["scaler"])
             rng = ckpt.get("rng_states") or []
@@ -1092,9 +1148,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 restore_rng_state(rng[info.rank], info.device)
             trained_by = ckpt.get("args", {}).get("world_size", info.world_size)
             scale_lr = ckpt.get("args", {}).get("scale_lr", args.scale_lr)  # the run's own rule
-            # The optimizer comes back with the lr of the saved schedule; recompute it on this
-            # run's (another --epochs lays the cosine out anew; another world size rescales it).
-            _rescale_lr(optimizer, scheduler, info.world_size / trained_by if scale_lr else 1.0)
+            # The schedule is rebuilt, not loaded: another --epochs lays the cosine out anew,
+            # another world size rescales the lr it starts from.
+            scheduler = _resumed_schedule(optimizer, lr_lambda, ckpt["epoch"] + 1,
+                                          info.world_size / trained_by if scale_lr else 1.0)
             planned = ckpt.get("args", {}).get("epochs", args.epochs)
             if planned != args.epochs and ckpt["epoch"] + 1 < args.epochs and info.is_main:
                 log.warning("%s was planned for --epochs %d, this run has %d: the cosine "
@@ -1102,11 +1159,12 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                             resume_path, planned, args.epochs, args.epochs,
                             optimizer.param_groups[0]["lr"], ckpt["epoch"] + 1)
             if trained_by != info.world_size:
+                was_batch = ckpt.get("args", {}).get("batch_size", args.batch_size)
                 if info.is_main:  # the same on every rank: said once
                     log.warning("%s was trained by %d process(es), this run has %d: the global "
                                 "batch changes from %d to %d, %s; data order and augmentation "
                                 "differ from an uninterrupted run.", resume_path, trained_by,
-                                info.world_size, trained_by * args.batch_size,
+                                info.world_size, trained_by * was_batch,
                                 info.world_size * args.batch_size,
                                 "the learning rate is rescaled to match (--scale-lr)"
                                 if scale_lr else "the learning rate is kept (--no-scale-lr)")
@@ -1138,6 +1196,12 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
                                        classes)
 
+    # The loaders fork their workers in the first epoch. Frozen objects are left alone by the
+    # workers' garbage collector, which would otherwise touch (so copy) every list and tuple
+    # this process holds (measured with 64k images, with MyDataSet's packed paths: 130 -> 48 MB
+    # private memory per worker after one epoch). train() unfreezes them at the end.
+    gc.collect()
+    gc.freeze()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
@@ -1175,7 +1239,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         rng_states = all_gather_object(capture_rng_state(info.device))
         state = None
         if info.is_main:
-            state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+            # On the CPU: the files load anywhere (a laptop, predict.py, torchvision).
+            state = {"model": to_cpu(unwrap(model).state_dict()),
+                     "optimizer": to_cpu(optimizer.state_dict()),
                      "lr_scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc,
                      "args": _jsonable(args, num_classes=num_classes, world_size=info.world_size),
                      "classes": classes, "metrics": history, "rng_states": rng_states,
@@ -1266,15 +1332,17 @@ def _split_digest(root: str | os.PathLike, paths: list[str]) -> str:
     return SPLIT_SCHEME + digest
 
 
-def _rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                factor: float) -> None:
-    """Multiply a resumed schedule by ``factor`` (linear scaling rule, arXiv:1706.02677)."""
-    scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
-    for group, base, lmbda in zip(optimizer.param_groups, scheduler.base_lrs,
-                                  scheduler.lr_lambdas):
-        group["initial_lr"] = base
-        group["lr"] = base * lmbda(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+def _resumed_schedule(optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int], float],
+                      start_epoch: int, factor: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule at ``start_epoch``, its lr multiplied by ``factor``.
+
+    The checkpoint's optimizer groups hold the ``initial_lr`` its schedule started from; the
+    linear scaling rule (arXiv:1706.02677) multiplies it by the change in world size.
+    ``last_epoch=start_epoch - 1`` makes the scheduler set the lr of ``start_epoch`` itself.
+    """
+    for group in optimizer.param_groups:
+        group["initial_lr"] *= factor
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda, last_epoch=start_epoch - 1)
 
 
 def _step_logger(writer):
@@ -1302,9 +1370,7 @@ def _metrics_text(history: list[dict[str, Any]]) -> str:
 
 
 def _write_metrics(path: Path, history: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text(_metrics_text(history), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: f.write(_metrics_text(history).encode("utf-8")))
 
 
 def _require_tensorboard() -> None:

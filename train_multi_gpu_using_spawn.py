@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -102,6 +103,18 @@ def _check_port_free(port: int) -> None:
                   "--dist-url, MASTER_PORT unset) to use a free one.")
 
 
+def _rerun(args: argparse.Namespace) -> str:
+    """What running the same command again does, as this machine sees the run's folder."""
+    if args.resume in (None, "", "none"):
+        return "it starts over (--resume none)"
+    if args.resume != "auto":
+        return f"it resumes from {args.resume}"
+    checkpoint = Path(args.output_dir) / "checkpoint.pth"
+    if checkpoint.is_file():
+        return f"it resumes from {checkpoint}"
+    return "no epoch was saved yet, so it starts from epoch 0"
+
+
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.node_rank >= args.nnodes:
@@ -139,15 +152,15 @@ def main(args: argparse.Namespace) -> None:
         code = exc.exit_code
         if code == 2:  # a user error: the child already said what is wrong
             sys.exit(2)
-        log.error("process %d (rank %d) failed (%s); the others were stopped. Fix the cause and "
-                  "run the same command again: it resumes from %s/checkpoint.pth.",
-                  exc.error_index, args.node_rank * nprocs + exc.error_index,
+        log.error("process %d (rank %d) failed (%s)%s. Fix the cause and run the same command "
+                  "again: %s.", exc.error_index, args.node_rank * nprocs + exc.error_index,
                   f"signal {exc.signal_name}" if code is not None and code < 0 else f"exit code {code}",
-                  args.output_dir)
+                  "; the others were stopped" if nprocs > 1 else "", _rerun(args))
         sys.exit(1)
     except mp.ProcessRaisedException as exc:
-        log.error("a process raised an error; the others were stopped:\n%s\nRun the same command "
-                  "again to resume from %s/checkpoint.pth.", exc, args.output_dir)
+        log.error("a process raised an error%s:\n%s\nFix the cause and run the same command "
+                  "again: %s.", "; the others were stopped" if nprocs > 1 else "", exc,
+                  _rerun(args))
         sys.exit(1)
     if context.interrupted:
         sys.exit(128 + context.interrupted)

@@ -23,8 +23,25 @@ class CheckpointError(ValueError):
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare model under DDP and/or ``torch.compile`` wrappers (what we save and load)."""
     model = getattr(model, "_orig_mod", model)
-    model = getattr(model, "module", model)
+    # By type: a user's own model may well have a submodule called "module".
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
     return getattr(model, "_orig_mod", model)
+
+
+def to_cpu(state: Any) -> Any:
+    """``state`` (a state dict, possibly nested) with every tensor on the CPU, detached.
+
+    Saved from a GPU, tensors remember their device: ``torch.load`` without ``map_location``
+    then fails on a machine without CUDA and puts everything on GPU 0 on one with several.
+    """
+    if torch.is_tensor(state):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:

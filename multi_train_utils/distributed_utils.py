@@ -93,10 +93,13 @@ def _read_env() -> tuple[int, int, int] | None:
     elif "SLURM_PROCID" in os.environ and _env_int("SLURM_NTASKS", 1) > 1:
         env = _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID", 0), _env_int("SLURM_NTASKS")
         names = "SLURM_PROCID", "SLURM_NTASKS"
-        # Export what env:// rendezvous reads; the port is derived from the job id so every task
-        # of one job agrees without talking, and two jobs on one node rarely collide.
+        # Export what env:// rendezvous reads; the port is derived from the job and step ids so
+        # every task of one step agrees without talking, while two jobs on one node, or two
+        # steps of one allocation (a sweep of `srun ... &`), rarely collide.
         os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
-        os.environ.setdefault("MASTER_PORT", str(20000 + _env_int("SLURM_JOB_ID", 0) % 20000))
+        step = _env_int("SLURM_STEP_ID", 0)
+        os.environ.setdefault("MASTER_PORT",
+                              str(20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * step) % 20000))
     else:
         return None
     rank, _, world_size = env
@@ -339,6 +342,23 @@ def register_comm_hook(model: torch.nn.Module, name: str) -> None:
 
     hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
     model.register_comm_hook(None, hook[name])  # None: the default process group
+
+
+def cpus_per_process() -> int:
+    """The CPUs this process may use for its threads and DataLoader workers (at least 1).
+
+    Counts the CPU set the process may run on (a SLURM allocation or container limit, not the
+    whole host as ``os.cpu_count()`` does). torchrun and the spawn launcher start
+    ``LOCAL_WORLD_SIZE`` processes on a node that share that set; SLURM gives each task its own
+    ``SLURM_CPUS_PER_TASK``.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        cpus //= max(1, _env_int("LOCAL_WORLD_SIZE"))
+    elif "SLURM_CPUS_PER_TASK" in os.environ:
+        cpus = min(cpus, _env_int("SLURM_CPUS_PER_TASK"))
+    return max(1, cpus)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

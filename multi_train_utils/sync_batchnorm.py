@@ -86,7 +86,10 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
             raise ValueError("SyncBatchNorm needs more than one value per channel over all ranks "
                              f"(got {int(total.item())}); use a larger batch.")
         mean_c = stats[:channels] / total
-        var = stats[channels:2 * channels] / total - mean_c * mean_c  # biased, for normalising
+        # Biased, for normalising. A channel that is constant over the batch (identical or
+        # blank images) has variance 0, which float32 rounding can take below -eps: rsqrt would
+        # give NaN where torch's BatchNorm gives 0.
+        var = (stats[channels:2 * channels] / total - mean_c * mean_c).clamp(min=0)
         mean = mean_c + shift
 
         if self.track_running_stats:

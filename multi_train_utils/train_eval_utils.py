@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -119,6 +120,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     ``grad_accum_steps`` K: the optimizer steps every K batches (and after the last), and DDP
     skips its gradient all-reduce on the other K-1 (``no_sync``). ``log_fn(step, loss, lr)`` is
     called on every rank every ``print_freq`` steps with the reduced running mean loss.
+    Progress: a tqdm bar on rank 0 in a terminal; where stdout is a file (SLURM, nohup), a log
+    line every ``print_freq`` steps instead, since a bar there is one endless ``\r`` line.
     """
     model.train()
     loss_function = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
@@ -128,10 +131,14 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     mean_loss = float("nan")
     optimizer.zero_grad(set_to_none=True)
 
-    progress = tqdm(data_loader, file=sys.stdout, disable=not is_main_process(),
+    bar = is_main_process() and sys.stdout.isatty()
+    lines = is_main_process() and not bar
+    progress = tqdm(data_loader, file=sys.stdout, disable=not bar,
                     desc=f"[train epoch {epoch}]", dynamic_ncols=True)
+    start, seen = time.perf_counter(), 0
     for step, batch in enumerate(progress):
         images, labels = _inputs_and_labels(batch, "train_one_epoch")
+        seen += labels.shape[0]
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)
         # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
@@ -175,10 +182,21 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                                          "steps); lower the learning rate or check the data.")
             lr = optimizer.param_groups[0]["lr"]
             progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
+            if lines:
+                elapsed = time.perf_counter() - start
+                log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
+                         "process  eta %s", epoch, step + 1, steps, mean_loss, lr,
+                         seen / elapsed, _duration(elapsed / (step + 1) * (steps - step - 1)))
             if log_fn is not None:
                 log_fn(epoch * steps + step, mean_loss, lr)
     # The last step always reduced (step + 1 == steps): reuse it, no second all-reduce.
     return mean_loss
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def _reduced_mean(total: torch.Tensor, count: torch.Tensor) -> float:
@@ -271,7 +289,8 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     confusion = None
     seen = 0
     loss_function = nn.CrossEntropyLoss(reduction="none", ignore_index=IGNORE_INDEX)
-    progress = tqdm(data_loader, file=sys.stdout, disable=not is_main_process(), desc="[valid]",
+    progress = tqdm(data_loader, file=sys.stdout, desc="[valid]",
+                    disable=not (is_main_process() and sys.stdout.isatty()),
                     dynamic_ncols=True)
     for batch in progress:
         images, labels = _inputs_and_labels(batch, "evaluate")
@@ -292,18 +311,20 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
         logits = logits.float()
         num_classes = logits.shape[1]
         if confusion is None:
-            confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)
+            confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.int64)
         topk = logits.topk(min(5, num_classes), dim=1).indices
         hits = topk == labels[:, None]
         stats[0] += (hits[:, 0] & valid).sum()
         stats[1] += (hits.any(1) & valid).sum()
         stats[2] += (loss_function(logits, labels) * valid).sum()
         stats[3] += valid.sum()
-        cells = (labels.clamp(min=0) * num_classes + topk[:, 0])[valid]
-        confusion += torch.bincount(cells, minlength=num_classes * num_classes).double()
+        # Adds 1 to each valid sample's (label, prediction) cell and 0 elsewhere: no boolean
+        # indexing and no bincount, both of which wait for the GPU to learn a size.
+        cells = labels.clamp(min=0) * num_classes + topk[:, 0]
+        confusion.index_put_((cells,), valid.long(), accumulate=True)
 
     if confusion is None:  # empty loader on this rank; keep collectives matched across ranks
-        confusion = torch.zeros(0, device=device, dtype=torch.float64)
+        confusion = torch.zeros(0, device=device, dtype=torch.int64)
     stats = reduce_value(stats, average=False).tolist()
     confusion = _reduce_confusion(confusion)
     return EvalResult(round(stats[0]), top5_correct=round(stats[1]), num_samples=round(stats[3]),
@@ -316,9 +337,9 @@ def _reduce_confusion(confusion: torch.Tensor) -> torch.Tensor:
     if get_world_size() > 1:
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
     if confusion.numel() < size.item():
-        confusion = torch.zeros(int(size.item()), device=confusion.device, dtype=torch.float64)
+        confusion = torch.zeros(int(size.item()), device=confusion.device, dtype=torch.int64)
     side = math.isqrt(confusion.numel())
-    return reduce_value(confusion, average=False).round().long().cpu().view(side, side)
+    return reduce_value(confusion, average=False).cpu().view(side, side)
 
 
 __all__ = ["train_one_epoch", "evaluate", "EvalResult", "prepare_images", "resolve_amp_dtype", "IGNORE_INDEX",

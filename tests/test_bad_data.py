@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
@@ -511,6 +512,39 @@ def test_unreadable_image_is_reported_once(tmp_path, caplog):
     assert caplog.text.count(f"skipping unreadable image {broken}") == 1
 
 
+def test_many_unreadable_images_log_a_few_lines_and_list_them_all(tmp_path, caplog):
+    """A dirty folder under --no-verify-images: 3,581 warning lines in 20 s before; now the
+    first MAX_LOGGED_ERRORS, the last saying where the rest are, and every one in the file."""
+    from my_dataset import MAX_LOGGED_ERRORS
+
+    broken = jpeg_without_scan(write_jpeg(tmp_path / "g.jpg", 0), tmp_path / "broken.jpg")
+    count = MAX_LOGGED_ERRORS + 15
+    paths = []
+    for i in range(count):
+        paths.append(tmp_path / f"bad{i:03d}.jpg")
+        shutil.copy(broken, paths[-1])
+    log_file = tmp_path / "skipped_files.txt"
+    log_file.write_text("", encoding="utf-8")
+    ds = MyDataSet([str(p) for p in paths], [0] * count, decoder="tensor", skip_log=log_file)
+    with caplog.at_level(logging.WARNING, logger="my_dataset"):
+        assert all(ds[i][1] == IGNORE_INDEX for i in range(count))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == MAX_LOGGED_ERRORS
+    assert lines[-1].endswith(f"; further ones are not logged one by one, see {log_file}")
+    listed = [line.split("\t")[0] for line in log_file.read_text(encoding="utf-8").splitlines()]
+    assert listed == [str(p) for p in paths]  # nothing lost, once each
+
+    # The file rewritten behind this process's back (rank 0 does so before training): its
+    # view is read again, so a file reported before is listed again, once.
+    log_file.write_text("other\tx\n", encoding="utf-8")
+    again = MyDataSet([str(paths[0])], [0], decoder="tensor", report_errors=False,
+                      skip_log=log_file)
+    ds._reported.zero_()
+    assert ds[1][1] == again[0][1] == IGNORE_INDEX
+    assert [line.split("\t")[0] for line in log_file.read_text(encoding="utf-8").splitlines()] \
+        == ["other", str(paths[1]), str(paths[0])]
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_unreadable_at_load_time_goes_to_skip_log_once(tmp_path, persistent):
     good = write_jpeg(tmp_path / "g.jpg", 0)
@@ -782,3 +816,24 @@ def test_torchrun_trains_through_messy_folder(messy, tmp_path):
     assert ckpt["epoch"] == 0 and ckpt["classes"] == USED_CLASSES
     assert ckpt["model"]["fc.weight"].shape[0] == 4
     assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_dataset_paths_read_like_a_list_of_the_names_given(tmp_path):
+    """MyDataSet packs its paths (forked workers then share them, not copy them: ~0.3 KB a path
+    a worker, PyTorch issue 13246); images_path still reads like the list it was given."""
+    from my_dataset import PackedStrings
+
+    names = [str(tmp_path / "a.jpg"), "", "é/ü.png", os.fsdecode(b"bad\xff.jpg"), "x\ty.png"]
+    packed = PackedStrings(names)
+    assert list(packed) == names and len(packed) == 5
+    assert packed[-1] == names[-1] and packed[1:4] == names[1:4] and packed[::-2] == names[::-2]
+    with pytest.raises(IndexError):
+        packed[5]
+    assert list(PackedStrings([])) == []
+    ds = MyDataSet(names, [4, 0, 1, 2, 3], decoder="tensor", report_errors=False)
+    assert list(ds.images_path) == names and set(ds.images_path) == set(names)
+    label = ds[2][1]  # unreadable: the ignore label, as an int
+    assert label == IGNORE_INDEX and type(label) is int
+    good = write_jpeg(tmp_path / "a.jpg", 0)
+    assert MyDataSet([str(good)], [7], decoder="tensor")[0][1] == 7
+    assert type(MyDataSet([str(good)], [7], decoder="tensor")[0][1]) is int  # as the template

@@ -19,6 +19,7 @@ from conftest import run
 from PIL import Image
 
 from model import get_model
+from train_common import default_workers
 
 TINY_BENCH = ["--device", "cpu", "--model", "resnet18", "--img-size", "32", "--batch-size", "2",
               "--pipeline-images", "4", "--pipeline-size", "64", "--steps", "2",
@@ -117,6 +118,23 @@ def test_json_holds_every_figure(bench):
     assert report["peak_memory"]["per_rank"] == {n: e["peak_memory_mib"]
                                                  for n, e in results.items()}
 
+    # Data included: the training script's loader (its worker count) feeding train_one_epoch,
+    # beside the loader alone and stage 2's compute alone; the slower of those is the limit.
+    data = report["with_data"]
+    for key in ("loader_img_per_s", "with_data_img_per_s", "compute_img_per_s", "data_efficiency"):
+        assert _positive(data[key]), (key, data[key])
+    assert data["workers"] == default_workers(2)  # the training script's, for batch 2
+    assert (data["images_per_pass"], data["files"], data["img_size"]) == (2 * 2, 4, 32)
+    assert len(data["loader_runs_img_per_s"]) == len(data["with_data_runs_img_per_s"]) == 2
+    assert data["with_data_img_per_s"] == pytest.approx(
+        statistics.median(data["with_data_runs_img_per_s"]))
+    assert data["compute_img_per_s"] == loop["ours_img_per_s"]
+    assert data["data_efficiency"] == pytest.approx(
+        data["with_data_img_per_s"] / loop["ours_img_per_s"])
+    slower = "input pipeline" if data["loader_img_per_s"] < data["compute_img_per_s"] else "compute"
+    assert data["limited_by"] == slower
+    assert data["target_img_per_s"] is None  # the 5,000 img/s target is an H200's
+
     assert report["config"]["model"] == "resnet18" and report["config"]["procs"] == [1, 2]
     assert report["versions"]["torch"] and report["versions"]["torchvision"]
     assert report["host"]["cpu_count"] >= 1 and len(report["host"]["load_avg_start"]) == 3
@@ -137,18 +155,23 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     assert len(list((tmp / "photos").glob("*.jpg"))) == 4
     for heading in ("Input pipeline", "Training loop", "Scaling", "speed-up", "efficiency",
                     "no communication: no DDP, no SyncBN (ceiling)", "--comm-hook bf16",
-                    "all-reduce of the"):
+                    "all-reduce of the", "Training with data", "train_one_epoch fed by the loader",
+                    "limited by "):
         assert heading in proc.stdout, heading
     assert "command: python benchmark.py" in proc.stdout
     report = json.loads((out / "benchmark.json").read_text())
     assert f"{report['pipeline']['ratio']:.2f}x" in proc.stdout
 
 
-def test_bad_size_is_one_clear_error(tmp_path):
-    proc = run([sys.executable, "benchmark.py", "--device", "cpu", "--steps", "0",
+@pytest.mark.parametrize("flag, value, message", [
+    ("--steps", "0", "--steps must be at least 1, not 0."),
+    ("--workers", "-1", "--workers must be 0 or more, not -1."),
+])
+def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
+    proc = run([sys.executable, "benchmark.py", "--device", "cpu", flag, value,
                 "--output-dir", str(tmp_path / "out")], timeout=120)
     assert proc.returncode != 0
-    assert "--steps must be at least 1" in proc.stderr
+    assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "benchmark.json").exists()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -271,6 +272,32 @@ def test_sync_batchnorm_cpu_keeps_float32_statistics_for_bf16_input(tmp_path):
         for key in ("running_mean", "running_var"):
             torch.testing.assert_close(got["state"][key], ref.state_dict()[key], rtol=1e-4,
                                        atol=1e-5)
+
+
+def _syncbn_constant_worker(rank: int, world: int, x_full: torch.Tensor) -> dict:
+    sync = SyncBatchNormCPU(BN_CHANNELS)
+    outs = [sync(x_full[rank::world]) for _ in range(3)]  # the running stats move off 0 and 1
+    return dict(outs=outs, state=sync.state_dict())
+
+
+def test_sync_batchnorm_cpu_gives_zeros_not_nan_for_constant_channels(tmp_path):
+    """A batch of identical (or blank) images makes channels constant: variance 0, which the
+    float32 sums around the running mean cancel to below -eps (NaN from rsqrt; a whole run
+    then stopped as "non-finite training loss ... lower the learning rate")."""
+    gen = torch.Generator().manual_seed(5)
+    levels = torch.randn(1, BN_CHANNELS, 1, 1, generator=gen) * 1000
+    x = levels.expand(8, BN_CHANNELS, 6, 6).contiguous()
+    ref = nn.BatchNorm2d(BN_CHANNELS)
+    for _ in range(3):
+        want = ref(x)
+    assert want.abs().max() < 0.05  # torch's BatchNorm: zeros, to float32 rounding
+    for got in run_ranks(_syncbn_constant_worker, 2, tmp_path, x):
+        for out in got["outs"]:
+            assert out.isfinite().all()
+            torch.testing.assert_close(out, torch.zeros_like(out), rtol=0, atol=0.05)
+        assert (got["state"]["running_var"] >= 0).all()
+        torch.testing.assert_close(got["state"]["running_mean"], ref.running_mean, rtol=1e-4,
+                                   atol=1e-3)
 
 
 def _compiled_syncbn_worker(rank: int, world: int, net: nn.Module, x: torch.Tensor) -> dict:
@@ -656,6 +683,25 @@ def test_train_one_epoch_returns_exact_mean_loss_and_syncs_rarely(tmp_path):
         # No per-step collective: one all-reduce per epoch, or one per logged step.
         assert got["all_reduce@1000"] == 1, got["all_reduce@1000"]
         assert got["all_reduce@1"] == steps, got["all_reduce@1"]
+
+
+def test_progress_goes_to_the_log_when_stdout_is_a_file(caplog, capsys):
+    """Under SLURM or nohup a tqdm bar is one endless "\\r"-joined line (MBs per epoch); there,
+    a log line every print_freq steps says the step, loss, lr, speed and time left."""
+    model = tiny_net(4, bn=False, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    loader = DataLoader(TensorDataset(torch.randn(10, 3, 6, 6, generator=gen),
+                                      torch.randint(0, 4, (10,), generator=gen)), batch_size=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with caplog.at_level("INFO", logger="multi_train_utils.train_eval_utils"):
+        loss = train_one_epoch(model, optimizer, loader, CPU, 3, print_freq=2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split("  ")[0] for line in lines] == [
+        "[train epoch 3] step 2/5", "[train epoch 3] step 4/5", "[train epoch 3] step 5/5"]
+    assert lines[-1].startswith(f"[train epoch 3] step 5/5  loss {loss:.4f}  lr 1.00e-02  ")
+    assert all(re.search(r"  \d+ img/s per process  eta \d+:\d\d$", line) for line in lines)
+    assert lines[-1].endswith("eta 0:00")
+    assert "[train epoch" not in capsys.readouterr().out  # no bar in a file
 
 
 # ------------------------------------------------------------------ 6b. own data and models

@@ -191,3 +191,21 @@ def test_freeze_layers_trains_only_fc():
     args = get_args_parser().parse_args(["--model", "resnet18", "--freeze-layers"])
     model = _build_model(args, DistInfo(), [f"c{i}" for i in range(5)])
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
+
+
+@pytest.mark.parametrize("resume, saved, want", [
+    ("auto", True, "it resumes from {out}/checkpoint.pth"),
+    ("auto", False, "no epoch was saved yet, so it starts from epoch 0"),
+    ("none", True, "it starts over (--resume none)"),
+    ("/elsewhere/model_best.pth", False, "it resumes from /elsewhere/model_best.pth"),
+])
+def test_spawn_failure_message_says_what_a_rerun_does(tmp_path, resume, saved, want):
+    """It used to promise a resume from checkpoint.pth when no epoch had been saved."""
+    import train_multi_gpu_using_spawn as spawn
+
+    out = tmp_path / "run"
+    out.mkdir()
+    if saved:
+        (out / "checkpoint.pth").write_bytes(b"x")
+    args = spawn.get_args_parser().parse_args(["--output-dir", str(out), "--resume", resume])
+    assert spawn._rerun(args) == want.format(out=out)

@@ -256,6 +256,26 @@ def test_slurm_master_addr_fallbacks_and_scontrol(slurm_env, tmp_path):
     assert distributed_utils._slurm_master_addr() == "expanded-a"
 
 
+@pytest.mark.parametrize("env, allowed, host, want", [
+    ({}, 16, 128, 16),  # a job's CPU set, not the host's 128 cores
+    ({"LOCAL_WORLD_SIZE": "8"}, 16, 128, 2),  # torchrun's 8 ranks share the node's set
+    ({"LOCAL_WORLD_SIZE": "8"}, 4, 4, 1),  # never 0: the loader needs a worker
+    ({"SLURM_CPUS_PER_TASK": "6"}, 64, 64, 6),  # srun tasks sharing an unbound node
+    ({"SLURM_CPUS_PER_TASK": "6", "LOCAL_WORLD_SIZE": "2"}, 16, 64, 8),  # torchrun in salloc
+])
+def test_cpus_per_process_counts_the_allowed_cpus_per_local_rank(slurm_env, env, allowed, host,
+                                                                  want):
+    slurm_env.setattr(os, "sched_getaffinity", lambda pid: set(range(allowed)), raising=False)
+    slurm_env.setattr(os, "cpu_count", lambda: host)
+    for key, value in env.items():
+        slurm_env.setenv(key, value)
+    assert distributed_utils.cpus_per_process() == want
+
+    import train_common
+    assert train_common.default_workers(32) == min(want, 8)
+    assert train_common.default_workers(1) == 0  # the template's rule for batch size 1
+
+
 def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
     slurm_env.setenv("SLURM_PROCID", "5")
     slurm_env.setenv("SLURM_LOCALID", "1")
@@ -266,6 +286,14 @@ def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
     # Every task derives the same address and port without talking to the others.
     assert os.environ["MASTER_ADDR"] == "gpu3"
     assert os.environ["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    # Another step of the allocation (srun ... & srun ... &) gets another port.
+    ports = set()
+    for step in range(4):
+        slurm_env.delenv("MASTER_PORT")
+        slurm_env.setenv("SLURM_STEP_ID", str(step))
+        distributed_utils._read_env()
+        ports.add(os.environ["MASTER_PORT"])
+    assert len(ports) == 4 and all(20000 <= int(port) < 40000 for port in ports)
     # An explicit MASTER_ADDR/MASTER_PORT wins.
     slurm_env.setenv("MASTER_ADDR", "10.0.0.9")
     slurm_env.setenv("MASTER_PORT", "29555")
@@ -390,3 +418,63 @@ def test_spawn_several_nodes_need_a_shared_address(monkeypatch, caplog):
         spawn.main(args)  # exits before starting any process
     assert exit_info.value.code == 2
     assert "--dist-url tcp://HOST:PORT" in caplog.text
+
+
+# ---------------------------------------------------------------- machines that disagree
+def _flags_worker(rank: int, world: int, argv_by_rank: list[list[str]]) -> str | None:
+    import train_common
+    from multi_train_utils.distributed_utils import DistInfo
+
+    args = train_common.get_args_parser().parse_args(argv_by_rank[rank])
+    try:
+        train_common._check_same_flags(args, DistInfo(rank=rank, world_size=world))
+    except train_common.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_started_with_other_training_flags_stop_with_one_line(tmp_path):
+    """Another --lr or --img-size on one node trained silently wrong (rank 0 recorded its own);
+    another --batch-size hung until --dist-timeout, then blamed a dead peer."""
+    from dist_helpers import run_ranks
+
+    base = ["--device", "cpu", "--output-dir", "runs/a", "--data-path", "/data"]
+    other = ["--device", "cpu", "--output-dir", "/mnt/node1/runs/a", "--data-path", "/local/data",
+             "--workers", "3", "--img-size", "64", "--lr", "0.01"]
+    got = run_ranks(_flags_worker, 2, tmp_path / "differ", [base, other])
+    want = ("the processes of this run were started with different flags (--img-size 224 on "
+            "rank 0 but 64 on rank 1; --lr 0.001 on rank 0 but 0.01 on rank 1); start every "
+            "process with the same training flags.")
+    assert got == [want, want]  # on every rank: none is left waiting in a collective
+    # Where things are on each machine may differ; the training flags agree: no error.
+    same = run_ranks(_flags_worker, 2, tmp_path / "same", [base, other[:6]])
+    assert same == [None, None]
+
+
+def _resume_worker(rank: int, world: int, outs: list[str]) -> str | None:
+    import train_common
+    from multi_train_utils.checkpoint import CheckpointError
+
+    args = train_common.get_args_parser().parse_args(["--output-dir", outs[rank]])
+    try:
+        return train_common._resolve_resume(args, Path(outs[rank]))
+    except CheckpointError as exc:
+        return f"error: {exc}"
+
+
+def test_a_checkpoint_only_another_machine_sees_is_not_silently_started_over(tmp_path):
+    """Node-local output folders under c10d rendezvous: rank 0 landed on the machine without
+    the checkpoint and trained a second run from epoch 0 beside the first."""
+    from dist_helpers import run_ranks
+
+    outs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
+    for out in outs:
+        out.mkdir(parents=True)
+    torch.save({"epoch": 0}, outs[1] / "checkpoint.pth")
+    got = run_ranks(_resume_worker, 2, tmp_path / "r", [str(o) for o in outs])
+    want = [f"error: {out / 'checkpoint.pth'} exists on some machines of this run but not on "
+            "the one of rank 0; put --output-dir on storage all machines share, or copy the "
+            "run's folder to each of them." for out in outs]  # each rank names its own path
+    assert got == want
+    (outs[1] / "checkpoint.pth").unlink()  # a new run everywhere: nothing to resume
+    assert run_ranks(_resume_worker, 2, tmp_path / "n", [str(o) for o in outs]) == [None, None]

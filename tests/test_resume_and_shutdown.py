@@ -29,10 +29,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 from conftest import ROOT, TINY_FLAGS, child_env, run, torchrun_cmd
 from model import get_model
-from multi_train_utils.checkpoint import CheckpointError, load_file, prune_weights, save_atomic
+from multi_train_utils.checkpoint import (CheckpointError, load_file, prune_weights, save_atomic,
+                                          to_cpu, unwrap)
 from multi_train_utils.distributed_utils import DistInfo, find_free_port
 from train_common import _build_data, get_args_parser
 
@@ -296,6 +298,37 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
     save_atomic({"epoch": 1}, path)  # and the next save still replaces it
     assert load_file(path)["epoch"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
+
+
+def test_saved_state_is_detached_cpu_tensors_of_the_same_shape():
+    """to_cpu is what train_common saves: no tensor keeps its GPU (a laptop could not load it)."""
+    weight = torch.ones(2, 3, requires_grad=True)
+    state = {"model": {"fc.weight": weight * 2},
+             "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(3), "step": 4}},
+                           "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "pair": (torch.arange(2), "x")}
+    out = to_cpu(state)
+    assert out["model"]["fc.weight"].device == torch.device("cpu")
+    assert not out["model"]["fc.weight"].requires_grad  # detached: no autograd graph pickled
+    assert torch.equal(out["model"]["fc.weight"], torch.full((2, 3), 2.0))
+    assert out["optimizer"]["state"][0]["step"] == 4 and out["optimizer"]["param_groups"] == \
+        [{"lr": 0.1, "params": [0]}]
+    assert isinstance(out["pair"], tuple) and out["pair"][1] == "x"
+    # A state dict may sit on a meta device (or a GPU): to_cpu must move it, not pass it on.
+    with pytest.raises(NotImplementedError, match="meta"):
+        to_cpu({"w": torch.empty(2, device="meta")})
+
+
+def test_unwrap_removes_wrappers_not_a_models_own_module():
+    class Holder(nn.Module):  # a user's model whose submodule happens to be called "module"
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    holder = Holder()
+    assert unwrap(holder) is holder  # its state dict keeps the "module." keys it owns
+    assert unwrap(nn.DataParallel(holder)) is holder
+    assert unwrap(torch.compile(holder)) is holder
 
 
 def test_damaged_bytes_and_foreign_files_are_clear_errors(tmp_path):
