@@ -152,7 +152,8 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
     After ``torchrun --max-restarts`` restarts a failed group, the new workers reach the same
     agent store, which still holds the previous attempt's gloo addresses; a plain env:// init then
     fails in gloo's connectFullMesh with "Connection refused" to ports of the dead attempt (seen
-    with torch 2.14.1). Prefixing every key with the attempt number keeps the attempts apart.
+    with torch 2.14.1). Prefixing every key with the attempt number keeps the attempts apart;
+    every rank of the attempt must derive the same number.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None or "MASTER_ADDR" not in os.environ:
@@ -162,7 +163,15 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
                           int(os.environ["WORLD_SIZE"]),
                           is_master=not agent_hosts and int(os.environ["RANK"]) == 0,
                           timeout=timeout)
-    return dist.PrefixStore(f"attempt{restart}/", store)
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1:  # one node: one agent's count
+        return dist.PrefixStore(f"attempt{restart}", store)  # adds the "/"
+    # Several nodes: each agent counts restarts its own way (one whose workers did not fail
+    # counts the round as no restart), so the counts disagree. But torchrun restarts every
+    # worker of every node together, so every rank starts once per round: each counts its
+    # own starts in the store.
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    start = store.add(f"ddp-template/starts/world{world}/rank{rank}", 1)
+    return dist.PrefixStore(f"start{start}-world{world}", store)
 
 
 def init_distributed_mode(args: Any = None, *, device: str | None = None,

@@ -478,3 +478,39 @@ def test_a_checkpoint_only_another_machine_sees_is_not_silently_started_over(tmp
     assert got == want
     (outs[1] / "checkpoint.pth").unlink()  # a new run everywhere: nothing to resume
     assert run_ranks(_resume_worker, 2, tmp_path / "n", [str(o) for o in outs]) == [None, None]
+
+
+def test_restarted_ranks_on_several_machines_agree_on_the_attempt(slurm_env):
+    """torchrun --max-restarts over 2 machines: the agent whose worker died counts a restart,
+    the other restarts its workers as a new round without counting. Keys prefixed with each
+    agent's TORCHELASTIC_RESTART_COUNT then never met ("wait timeout ... /attempt1/..."), and
+    the restarts were spent; every rank counting its own starts in the store agrees."""
+    import datetime
+
+    import torch.distributed as dist
+
+    port = find_free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True,  # torchrun's agent store
+                          timeout=datetime.timedelta(seconds=30))
+    slurm_env.setenv("MASTER_ADDR", "127.0.0.1")
+    slurm_env.setenv("MASTER_PORT", str(port))
+    slurm_env.setenv("WORLD_SIZE", "2")
+    slurm_env.setenv("GROUP_WORLD_SIZE", "2")
+    slurm_env.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    timeout = datetime.timedelta(seconds=5)  # a rank that waits in another namespace fails
+
+    def store_of(rank: int, restart_count: int):
+        slurm_env.setenv("RANK", str(rank))
+        slurm_env.setenv("TORCHELASTIC_RESTART_COUNT", str(restart_count))
+        return distributed_utils._elastic_store(timeout)
+
+    # Start 1: both agents at count 0. Start 2: node 1's worker died, so only its agent counts.
+    for start, counts in ((1, (0, 0)), (2, (0, 1))):
+        stores = [store_of(rank, count) for rank, count in enumerate(counts)]
+        stores[0].set("meet", f"start {start}")
+        assert stores[1].get("meet") == f"start {start}".encode()  # one namespace: they meet
+    assert [agent.get(f"start{n}-world2/meet") for n in (1, 2)] == [b"start 1", b"start 2"]
+    # One machine: its one agent counts every restart; its count is used as before.
+    slurm_env.setenv("GROUP_WORLD_SIZE", "1")
+    store_of(0, 3).set("single", "x")
+    assert agent.get("attempt3/single") == b"x"
