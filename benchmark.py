@@ -330,12 +330,19 @@ def _synthetic_batches(args: argparse.Namespace, count: int, seed: int, pin: boo
 def _quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer,
                            batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                            args: argparse.Namespace, scaler: torch.amp.GradScaler) -> float:
-    """``train_one_epoch`` with its defaults; its progress bar is drawn, into /dev/null."""
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        return train_one_epoch(model, optimizer, batches, device, 0,
-                               scaler=scaler if scaler.is_enabled() else None,
-                               amp_dtype=_amp_dtype(args, device),
-                               channels_last=_channels_last(args, device))
+    """``train_one_epoch`` with its defaults; its progress (a bar in a terminal, log lines
+    elsewhere) goes nowhere."""
+    progress_log = logging.getLogger("multi_train_utils.train_eval_utils")
+    level = progress_log.level
+    progress_log.setLevel(logging.WARNING)
+    try:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            return train_one_epoch(model, optimizer, batches, device, 0,
+                                   scaler=scaler if scaler.is_enabled() else None,
+                                   amp_dtype=_amp_dtype(args, device),
+                                   channels_last=_channels_last(args, device))
+    finally:
+        progress_log.setLevel(level)
 
 
 # ---------------------------------------------------------------- 2. training loop

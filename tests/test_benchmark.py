@@ -159,6 +159,7 @@ def test_chart_is_a_png_and_table_is_printed(bench):
                     "limited by "):
         assert heading in proc.stdout, heading
     assert "command: python benchmark.py" in proc.stdout
+    assert "[train epoch" not in proc.stdout + proc.stderr  # the loops' progress is not printed
     report = json.loads((out / "benchmark.json").read_text())
     assert f"{report['pipeline']['ratio']:.2f}x" in proc.stdout
 
