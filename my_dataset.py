@@ -149,7 +149,7 @@ class PackedStrings(Sequence[str]):
     def __len__(self) -> int:
         return len(self._ends)
 
-    def __getitem__(self, index):  # int -> str, slice -> list[str], as a list would
+    def __getitem__(self, index: int | slice) -> str | list[str]:  # as a list would
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         i = range(len(self))[index]  # negative indices and IndexError as for a list

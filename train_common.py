@@ -438,7 +438,7 @@ def _scan_on_rank0(root: str, verify: bool, info: DistInfo):
         _waiting_for = (f"while waiting for rank 0 to scan {root}; if it was still scanning, "
                         "the scan takes longer than --dist-timeout: raise it, or pass "
                         "--no-verify-images for a faster scan")
-    result = broadcast_object(result)
+    result = broadcast_object(result)  # if it raises, train() says what this rank waited for
     _waiting_for = None
     if isinstance(result, DataError):
         raise result
@@ -1021,10 +1021,11 @@ def _jsonable(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
             for k, v in {**vars(args), **extra}.items()}
 
 
-# Flags that may differ between machines: where things are, and what only rank 0 does.
-PER_MACHINE_FLAGS = frozenset({"data_path", "demo_dir", "output_dir", "weights", "resume",
-                               "workers", "local_rank", "node_rank", "dist_url", "dist_timeout",
-                               "device", "verify_images", "tensorboard", "keep_last"})
+# Flags that may differ between machines: where the data and the run's folder are, and what
+# only rank 0 does. (--resume and --weights decide which collectives a rank makes: not these.)
+PER_MACHINE_FLAGS = frozenset({"data_path", "demo_dir", "output_dir", "workers", "local_rank",
+                               "node_rank", "dist_url", "dist_timeout", "device",
+                               "verify_images", "tensorboard", "keep_last"})
 
 
 def _check_same_flags(args: argparse.Namespace, info: DistInfo) -> None:

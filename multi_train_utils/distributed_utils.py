@@ -70,8 +70,8 @@ def _slurm_master_addr() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     first = re.split(r",(?![^\[]*\])", nodelist)[0] if nodelist else "127.0.0.1"
-    match = re.match(r"([^\[]+)\[([^\],\-]+)", first)
-    return match.group(1) + match.group(2) if match else first
+    # Each bracket by its first entry: node[01-04] -> node01, n[1-2]-ib -> n1-ib.
+    return re.sub(r"\[([^\],\-]+)[^\]]*\]", r"\1", first)
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -141,7 +141,8 @@ def _pick_device(requested: str, local_rank: int) -> torch.device:
     elif local_rank >= count:
         raise LaunchError(f"local rank {local_rank} has no GPU: only {count} visible "
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                           "start at most one process per GPU.")
+                           "start one process per GPU (with SLURM: --gpus-per-task=1, or "
+                           "--ntasks-per-node equal to the GPUs per node).")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

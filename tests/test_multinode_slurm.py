@@ -236,6 +236,8 @@ def slurm_env(monkeypatch, tmp_path):
     ("gpu-a,gpu-b", "gpu-a"),
     ("node[1,3-5],other[2-3]", "node1"),
     ("rack-[07-09]", "rack-07"),
+    ("n[1-2]-ib,gpu1", "n1-ib"),  # a suffix after the brackets (an InfiniBand name)
+    ("r[3-4]n[01-08]", "r3n01"),
     ("single", "single"),
 ])
 def test_slurm_master_addr_without_scontrol(slurm_env, nodelist, first):
@@ -447,8 +449,11 @@ def test_ranks_started_with_other_training_flags_stop_with_one_line(tmp_path):
             "process with the same training flags.")
     assert got == [want, want]  # on every rank: none is left waiting in a collective
     # Where things are on each machine may differ; the training flags agree: no error.
-    same = run_ranks(_flags_worker, 2, tmp_path / "same", [base, other[:6]])
+    same = run_ranks(_flags_worker, 2, tmp_path / "same", [base, other[:8]])
     assert same == [None, None]
+    # --resume decides which collectives a rank makes (none skips the checkpoint search).
+    got = run_ranks(_flags_worker, 2, tmp_path / "resume", [base, [*base, "--resume", "none"]])
+    assert "(--resume auto on rank 0 but none on rank 1)" in got[0] and got[0] == got[1]
 
 
 def _resume_worker(rank: int, world: int, outs: list[str]) -> str | None:
@@ -514,3 +519,23 @@ def test_restarted_ranks_on_several_machines_agree_on_the_attempt(slurm_env):
     slurm_env.setenv("GROUP_WORLD_SIZE", "1")
     store_of(0, 3).set("single", "x")
     assert agent.get("attempt3/single") == b"x"
+
+
+def test_gpu_of_a_local_rank_under_slurm_gpu_binding(slurm_env):
+    """--gpus-per-task=1 shows each task one GPU (device 0, whatever its SLURM_LOCALID); a task
+    given two GPUs is told to start one process per GPU."""
+    chosen = []
+    slurm_env.setattr(torch.cuda, "is_available", lambda: True)
+    slurm_env.setattr(torch.cuda, "set_device", chosen.append)
+    slurm_env.setattr(torch.cuda, "device_count", lambda: 1)
+    slurm_env.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert distributed_utils._pick_device("auto", 3) == torch.device("cuda", 0)
+    assert chosen == [0]
+    slurm_env.setattr(torch.cuda, "device_count", lambda: 2)
+    slurm_env.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert distributed_utils._pick_device("cuda", 1) == torch.device("cuda", 1)
+    with pytest.raises(distributed_utils.LaunchError) as error:
+        distributed_utils._pick_device("cuda", 3)
+    assert str(error.value) == (
+        "local rank 3 has no GPU: only 2 visible (CUDA_VISIBLE_DEVICES=2,3); start one process "
+        "per GPU (with SLURM: --gpus-per-task=1, or --ntasks-per-node equal to the GPUs per node).")
