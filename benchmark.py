@@ -79,6 +79,7 @@ PIPELINE_TARGET = 1.6  # ours / template images per second per worker
 LOOP_TARGET = 0.95  # train_one_epoch / bare loop images per second
 # Data included, one GPU: the issue's H200 target for ResNet34 at 224 px, bf16, channels-last.
 CUDA_TARGET_IMG_PER_S = 5000
+DATA_EFFICIENT = 0.9  # with data / compute alone: above it, the data costs (almost) nothing
 OVERHEAD_STEPS = 200  # steps of the near-free model that measure the loop's own cost
 
 
@@ -496,8 +497,17 @@ def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Seque
             "with_data_best_img_per_s": max(runs["training"]),
             "compute_img_per_s": compute_img_per_s,
             "data_efficiency": with_data / compute_img_per_s,
-            "limited_by": "input pipeline" if loader_rate < compute_img_per_s else "compute",
+            "limited_by": _data_limit(loader_rate, with_data, compute_img_per_s),
             "target_img_per_s": CUDA_TARGET_IMG_PER_S if device.type == "cuda" else None}
+
+
+def _data_limit(loader: float, with_data: float, compute: float) -> str:
+    """What holds training with data back, from the three rates of stage 5."""
+    if loader < compute:
+        return "input pipeline"  # the workers cannot supply what the model consumes
+    if with_data < DATA_EFFICIENT * compute:
+        return "CPUs shared by the loader workers and training"  # each fast enough alone
+    return "compute"
 
 
 # ---------------------------------------------------------------- 3./4. scaling and memory
@@ -934,7 +944,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     report["peak_memory"] = {
         "kind": report["scaling"]["memory_kind"], "unit": "MiB",
         "per_rank": {n: e["peak_memory_mib"] for n, e in report["scaling"]["results"].items()}}
-    log.info("4/4 training with data: the training loader over the %d JPEGs, %s at %d px",
+    log.info("4/4 training with data (table 5): the training loader over the %d JPEGs, %s at "
+             "%d px",
              args.pipeline_images, args.model, args.img_size)
     report["with_data"] = bench_with_data(args, device, paths, report["loop"]["ours_img_per_s"])
     report["host"]["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None

@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import unicodedata
 from collections.abc import Callable, Iterator
@@ -241,7 +242,39 @@ _held_signals: list[int] | None = None
 _signal_received: str | None = None
 
 
+_forking = False  # inside os.fork's at-fork callbacks (see _guard_forks)
+_deferred: list[int] = []
+_forks_guarded = False
+
+
+def _guard_forks() -> None:
+    """Keep SIGINT/SIGTERM out of os.fork's at-fork callbacks (DataLoader workers start with
+    each epoch's first validation). A KeyboardInterrupt raised there (in logging's lock release)
+    is printed as "Exception ignored" and lost: the run went on after its stop signal. The
+    signal is noted instead and raised again just after fork() has returned. Registered last,
+    these callbacks run first before a fork and last after it."""
+    global _forks_guarded
+    if _forks_guarded or not hasattr(os, "register_at_fork"):
+        return
+
+    def before() -> None:
+        global _forking
+        _forking = True
+
+    def after() -> None:
+        global _forking
+        _forking = False
+        if _deferred:  # from another thread, so it reaches this one outside the callbacks
+            threading.Timer(0.05, signal.raise_signal, (_deferred.pop(),)).start()
+
+    os.register_at_fork(before=before, after_in_parent=after)
+    _forks_guarded = True
+
+
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    if _forking:  # raised now, it would be lost (see _guard_forks)
+        _deferred[:] = [signum]
+        return
     global _signal_received
     _signal_received = _signal_received or signal.Signals(signum).name
     _expect_worker_deaths()
@@ -339,6 +372,7 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     # SIGTERM (torchrun, SLURM, the spawn launcher, `kill`) unwinds like Ctrl-C: finally-blocks
     # run, the process group is destroyed and DataLoader workers are shut down.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    _guard_forks()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup &)
         signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
@@ -352,7 +386,8 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         setup_logging(info.rank)
         _run(args, info)
     except USER_ERRORS as exc:
-        if info is None or info.is_main:
+        # Every rank raises it: said once per machine (rank 0 may be on either machine).
+        if info is None or info.local_rank == 0:
             log.error("error: %s", exc)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt as exc:
@@ -496,7 +531,8 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
     # Both loaders keep their workers between epochs (persistent_workers): say both counts.
     log.info("%s%d validation images, %d classes, %s loader workers per process",
              "" if args.eval_only else f"{len(train_set)} training / ", len(val_set), num_classes,
-             workers if args.eval_only else f"{workers} training + {workers} validation")
+             "no" if not workers else workers if args.eval_only
+             else f"{workers} training + {workers} validation")
     return scan, train_set, val_set, train_sampler, train_loader, val_loader
 
 

@@ -121,6 +121,7 @@ def main(args: argparse.Namespace) -> None:
         _fail(f"--node-rank {args.node_rank} but --nnodes {args.nnodes}: node ranks run from 0 "
               f"to {args.nnodes - 1}.")
     nprocs = _processes_per_node(args)
+    args.world_size = nprocs  # as resolved here (GPUs visible): what the ranks compare across nodes
     addr, port = _rendezvous(args)
     args.dist_url = "env://"  # the children read MASTER_ADDR/PORT like torchrun's
     if args.node_rank == 0:
@@ -155,11 +156,11 @@ def main(args: argparse.Namespace) -> None:
         log.error("process %d (rank %d) failed (%s)%s. Fix the cause and run the same command "
                   "again: %s.", exc.error_index, args.node_rank * nprocs + exc.error_index,
                   f"signal {exc.signal_name}" if code is not None and code < 0 else f"exit code {code}",
-                  "; the others were stopped" if nprocs > 1 else "", _rerun(args))
+                  "; the others on this machine were stopped" if nprocs > 1 else "", _rerun(args))
         sys.exit(1)
     except mp.ProcessRaisedException as exc:
         log.error("a process raised an error%s:\n%s\nFix the cause and run the same command "
-                  "again: %s.", "; the others were stopped" if nprocs > 1 else "", exc,
+                  "again: %s.", "; the others on this machine were stopped" if nprocs > 1 else "", exc,
                   _rerun(args))
         sys.exit(1)
     if context.interrupted:

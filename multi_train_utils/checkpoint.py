@@ -37,8 +37,11 @@ def to_cpu(state: Any) -> Any:
     """
     if torch.is_tensor(state):
         return state.detach().cpu()
-    if isinstance(state, dict):
-        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, dict):  # an OrderedDict stays one, with the module versions
+        copy = type(state)((key, to_cpu(value)) for key, value in state.items())
+        if hasattr(state, "_metadata"):  # that _load_from_state_dict reads
+            copy._metadata = state._metadata
+        return copy
     if isinstance(state, (list, tuple)):
         return type(state)(to_cpu(value) for value in state)
     return state

@@ -360,7 +360,7 @@ def cpus_per_process() -> int:
     Counts the CPU set the process may run on (a SLURM allocation or container limit, not the
     whole host as ``os.cpu_count()`` does). torchrun and the spawn launcher start
     ``LOCAL_WORLD_SIZE`` processes on a node that share that set; SLURM gives each task its own
-    ``SLURM_CPUS_PER_TASK``.
+    ``SLURM_CPUS_PER_TASK``, or else the node's ``SLURM_CPUS_ON_NODE`` shared by its tasks.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpus = cpus or 1
@@ -368,6 +368,10 @@ def cpus_per_process() -> int:
         cpus //= max(1, _env_int("LOCAL_WORLD_SIZE"))
     elif "SLURM_CPUS_PER_TASK" in os.environ:
         cpus = min(cpus, _env_int("SLURM_CPUS_PER_TASK"))
+    elif "SLURM_LOCALID" in os.environ:  # srun tasks that may share the node's CPUs unbound
+        tasks = re.match(r"\d+", os.environ.get("SLURM_TASKS_PER_NODE", "1"))  # e.g. "4(x2)"
+        on_node = _env_int("SLURM_CPUS_ON_NODE", cpus)
+        cpus = min(cpus, on_node // max(1, int(tasks.group()) if tasks else 1))
     return max(1, cpus)
 
 

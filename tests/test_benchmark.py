@@ -131,8 +131,11 @@ def test_json_holds_every_figure(bench):
     assert data["compute_img_per_s"] == loop["ours_img_per_s"]
     assert data["data_efficiency"] == pytest.approx(
         data["with_data_img_per_s"] / loop["ours_img_per_s"])
-    slower = "input pipeline" if data["loader_img_per_s"] < data["compute_img_per_s"] else "compute"
-    assert data["limited_by"] == slower
+    from benchmark import _data_limit
+    assert data["limited_by"] == _data_limit(data["loader_img_per_s"],
+                                             data["with_data_img_per_s"], data["compute_img_per_s"])
+    assert [_data_limit(50, 49, 100), _data_limit(500, 60, 100), _data_limit(500, 95, 100)] == [
+        "input pipeline", "CPUs shared by the loader workers and training", "compute"]
     assert data["target_img_per_s"] is None  # the 5,000 img/s target is an H200's
 
     assert report["config"]["model"] == "resnet18" and report["config"]["procs"] == [1, 2]
