@@ -267,7 +267,12 @@ def _guard_forks() -> None:
         if _deferred:  # from another thread, so it reaches this one outside the callbacks
             threading.Timer(0.05, signal.raise_signal, (_deferred.pop(),)).start()
 
-    os.register_at_fork(before=before, after_in_parent=after)
+    def after_in_child() -> None:  # a DataLoader worker stops on SIGTERM as before
+        global _forking
+        _forking = False
+        _deferred.clear()
+
+    os.register_at_fork(before=before, after_in_parent=after, after_in_child=after_in_child)
     _forks_guarded = True
 
 
