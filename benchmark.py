@@ -435,22 +435,21 @@ def _data_loader(paths: Sequence[str], args: argparse.Namespace, device: torch.d
     """The training script's train loader over the photos, repeated to ``--steps`` full batches.
 
     As ``train_common`` builds it: ``MyDataSet(decoder="tensor")`` with the training transform
-    at ``--img-size``, ``persistent_workers`` with ``prefetch_factor=4``, ``pin_memory`` on CUDA.
+    at ``--img-size`` and ``train_common.loader_kwargs``.
     """
     from torch.utils.data import DataLoader
 
     from my_dataset import MyDataSet
+    from train_common import loader_kwargs
     from utils import get_transforms
 
     count = args.steps * args.batch_size
     dataset = MyDataSet([paths[i % len(paths)] for i in range(count)],
                         [i % args.num_classes for i in range(count)],
                         get_transforms(args.img_size)["train"], decoder="tensor", seed=args.seed)
-    more: dict[str, Any] = dict(persistent_workers=True, prefetch_factor=4) if workers else {}
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                      num_workers=workers, collate_fn=MyDataSet.collate_fn,
-                      pin_memory=device.type == "cuda",
-                      generator=torch.Generator().manual_seed(args.seed), **more)
+                      generator=torch.Generator().manual_seed(args.seed),
+                      **loader_kwargs(workers, device))
 
 
 def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Sequence[str],
