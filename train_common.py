@@ -39,11 +39,11 @@ from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, ex
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, LaunchError,
                                                  all_gather_object, all_ranks_ok,
                                                  broadcast_object, cleanup, cpus_per_process,
-                                                 init_distributed_mode, peer_failure,
-                                                 register_comm_hook)
+                                                 init_distributed_mode, nccl_setup_error,
+                                                 peer_failure, register_comm_hook)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import (EvalResult, evaluate, resolve_amp_dtype,
-                                               train_one_epoch)
+from multi_train_utils.train_eval_utils import (EvalResult, common_amp_dtype, evaluate,
+                                               resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet
 from utils import (DataError, default_demo_root, find_run_file, get_transforms, make_demo_data,
                    missing_glyphs_ignored, plot_class_distribution, scan_image_folder,
@@ -401,6 +401,12 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         if _signal_received and peer_failure(exc):
             # A peer stopped on the same signal first: the run was interrupted, nothing failed.
             _stop_interrupted(_signal_received, args, info)
+        nccl_refused = nccl_setup_error(exc)
+        if nccl_refused:
+            log.error("error: NCCL refused to set up the run (%s); give every process a GPU of "
+                      "its own (one process per GPU; with SLURM --gpus-per-task=1) and check the "
+                      "NCCL_* variables - NCCL_DEBUG=INFO says more.", nccl_refused)
+            sys.exit(EXIT_USER_ERROR)
         reason = peer_failure(exc) if info is None or info.distributed else None
         if reason is None:
             raise
@@ -1170,6 +1176,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         model = torch.compile(model)
 
     amp_dtype = resolve_amp_dtype(args.amp, device)
+    if common_amp_dtype(amp_dtype) != amp_dtype:
+        log.warning("--amp: some GPUs of the run lack bf16 (before Ampere), so this process too "
+                    "uses fp16 with loss scaling.")
+        amp_dtype = torch.float16
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     lr = args.lr * info.world_size if args.scale_lr else args.lr
     params = [p for p in model_without_ddp.parameters() if p.requires_grad]

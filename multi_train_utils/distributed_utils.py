@@ -127,7 +127,11 @@ def _check_rendezvous(dist_url: str) -> None:
     _env_int("MASTER_PORT")
 
 
-def _pick_device(requested: str, local_rank: int) -> torch.device:
+def _pick_device(requested: str, local_rank: int, *, slurm_task: bool = False) -> torch.device:
+    """The device of local rank ``local_rank``; on CUDA it becomes the current device.
+
+    ``slurm_task``: srun started this process, and SLURM may have shown it only its own GPU.
+    """
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -135,11 +139,16 @@ def _pick_device(requested: str, local_rank: int) -> torch.device:
                            "use --device cpu (or auto).")
     count = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if local_rank >= count == 1 and visible and "," not in visible:
-        # Each task was given its own GPU (SLURM --gpus-per-task=1): it is device 0 here.
+    # Every local rank checks the whole machine, so all of them stop with the message, not only
+    # those past the last GPU (torchrun sets LOCAL_WORLD_SIZE; its workers share one view).
+    needed = max(local_rank + 1, 0 if slurm_task else _env_int("LOCAL_WORLD_SIZE", 0))
+    if slurm_task and local_rank >= count == 1 and visible and "," not in visible:
+        # Each task was given its own GPU (SLURM --gpus-per-task=1): it is device 0 here. Were
+        # two tasks shown one shared GPU instead, NCCL refuses ("Duplicate GPU detected"), and
+        # nccl_setup_error says so.
         local_rank = 0
-    elif local_rank >= count:
-        raise LaunchError(f"local rank {local_rank} has no GPU: only {count} visible "
+    elif needed > count:
+        raise LaunchError(f"local rank {needed - 1} has no GPU: only {count} visible "
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                            "start one process per GPU (with SLURM: --gpus-per-task=1, or "
                            "--ntasks-per-node equal to the GPUs per node).")
@@ -186,8 +195,9 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
 
     Scripts written for the classic template call ``init_distributed_mode(args)`` and then read
     ``args.rank``, ``args.world_size``, ``args.gpu``, ``args.distributed`` and
-    ``args.dist_backend``: given ``args``, those are set as it did (``args.gpu`` is the local
-    rank). New code reads the returned :class:`DistInfo` instead and passes no ``args``.
+    ``args.dist_backend``: given ``args``, those are set as it did (``args.gpu`` is the GPU
+    index, for ``device_ids=[args.gpu]``; the local rank without CUDA). New code reads the
+    returned :class:`DistInfo` instead and passes no ``args``.
     """
     # Classic scripts may hold a torch.device or "CPU" there.
     device = str(device or getattr(args, "device", None) or "auto").lower()
@@ -196,7 +206,8 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     info = _init(device, dist_url, timeout_s)
     if args is not None:
         for name, value in (("rank", info.rank), ("world_size", info.world_size),
-                            ("gpu", info.local_rank), ("distributed", info.distributed),
+                            ("gpu", info.device.index if info.device.type == "cuda"
+                             else info.local_rank), ("distributed", info.distributed),
                             ("dist_backend", info.backend)):
             setattr(args, name, value)
     return info
@@ -207,7 +218,7 @@ def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
     if env is None:
         return DistInfo(device=_pick_device(device, 0))
     rank, local_rank, world_size = env
-    dev = _pick_device(device, local_rank)
+    dev = _pick_device(device, local_rank, slurm_task="RANK" not in os.environ)
     if world_size == 1:
         return DistInfo(rank=rank, local_rank=local_rank, device=dev)
 
@@ -215,12 +226,11 @@ def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _elastic_store(timeout) if dist_url == "env://" else None
-    if store is not None:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method=dist_url, rank=rank,
-                                world_size=world_size, timeout=timeout)
+    # device_id binds the group to this GPU: NCCL connects here, so a set-up it refuses fails
+    # now, not at the first collective, and barrier() knows its device.
+    where = dict(store=store) if store is not None else dict(init_method=dist_url)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=dev if dev.type == "cuda" else None, **where)
     log.debug("rank %d/%d (local %d) on %s with %s", rank, world_size, local_rank, dev, backend)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev,
                     backend=backend)
@@ -252,11 +262,32 @@ def peer_failure(exc: BaseException) -> str | None:
     "the logs of the remote worker"; the middle is what matters.
     """
     text = str(exc)
-    if not isinstance(exc, getattr(dist, "DistError", ())) and not _PEER_FAILURE.search(text):
+    if nccl_setup_error(exc) or (not isinstance(exc, getattr(dist, "DistError", ()))
+                                 and not _PEER_FAILURE.search(text)):
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     first = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", first)
     return first.split(" This is typically")[0].rstrip(". ")[:240]
+
+
+# NCCL's results for a set-up it refuses; they come from every start, unlike a dead peer's.
+_NCCL_SETUP = re.compile(r"ncclInvalidUsage|ncclInvalidArgument|ncclUnhandledCudaError|"
+                         r"Duplicate GPU detected")
+
+
+def nccl_setup_error(exc: BaseException) -> str | None:
+    """NCCL's own reason if ``exc`` says the run is set up wrong, else None.
+
+    E.g. two ranks on one GPU: ``"Duplicate GPU detected : rank 1 and rank 0 both on CUDA device
+    1a000"``, the line after "Last error:" in the message. Running again would fail the same way,
+    so this is not :func:`peer_failure`.
+    """
+    text = str(exc)
+    if not _NCCL_SETUP.search(text):
+        return None
+    last = re.search(r"Last error:\s*(\S.*)", text)
+    reason = last.group(1) if last else _NCCL_SETUP.search(text).group(0)
+    return reason.strip().rstrip(".")[:240]
 
 
 def is_dist_avail_and_initialized() -> bool:

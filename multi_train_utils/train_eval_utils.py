@@ -51,6 +51,7 @@ def prepare_images(images: torch.Tensor, device: torch.device, *, channels_last:
                          f"with mean/std, but this batch is {tuple(images.shape)}; convert it to "
                          "float in the dataset (normalised as the model expects).")
     images = images.to(device, non_blocking=True)
+    channels_last = channels_last and images.dim() == 4  # the layout exists for 4-D only
     if channels_last:  # on the uint8 batch: a quarter of the bytes; float ops keep the layout
         images = images.contiguous(memory_format=torch.channels_last)
     if images.dtype == torch.uint8:
@@ -84,6 +85,19 @@ def resolve_amp_dtype(amp: bool | None, device: torch.device) -> torch.dtype | N
     if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.float16
     return torch.bfloat16
+
+
+def common_amp_dtype(amp_dtype: torch.dtype | None) -> torch.dtype | None:
+    """One autocast dtype for every rank: fp16 for all if any rank resolved fp16.
+
+    GPUs of a job can differ (an Ampere card beside a V100). DDP averages the gradients of all
+    ranks, and those of an fp16 rank are multiplied by its GradScaler's scale (2**16 at first),
+    so mixing bf16 and fp16 ranks would train on nonsense. Call it on every rank, or on none.
+    """
+    if amp_dtype is None or get_world_size() < 2:
+        return amp_dtype
+    fp16_ranks = reduce_value(int(amp_dtype == torch.float16), average=False)
+    return torch.float16 if fp16_ranks.item() else amp_dtype
 
 
 def _autocast(device: torch.device, amp_dtype: torch.dtype | None):

@@ -834,6 +834,29 @@ def test_amp_takes_bf16_only_where_the_gpu_has_it(native_bf16, want, monkeypatch
     assert resolve_amp_dtype(True, torch.device("cpu")) == torch.bfloat16
 
 
+def _amp_dtypes_of_ranks(rank, world_size, dtypes):
+    from multi_train_utils.train_eval_utils import common_amp_dtype
+
+    return [common_amp_dtype(dtype[rank]) for dtype in dtypes]
+
+
+def test_ranks_agree_on_one_amp_dtype(tmp_path):
+    """An Ampere GPU beside a V100: bf16 on one rank and fp16 (gradients x the scale) on the
+    other would be averaged together; every rank takes fp16 then."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+    cases = [(bf16, fp16), (fp16, bf16), (bf16, bf16), (fp16, fp16), (None, None)]
+    per_rank = run_ranks(_amp_dtypes_of_ranks, 2, tmp_path, cases)
+    assert per_rank == [[fp16, fp16, bf16, fp16, None]] * 2
+
+
+def test_channels_last_leaves_inputs_that_are_not_images_alone():
+    from multi_train_utils.train_eval_utils import prepare_images
+
+    features = torch.randn(4, 7)  # (N, features) for an MLP: no 4-D layout to take
+    out = prepare_images(features, torch.device("cpu"), channels_last=True)
+    assert torch.equal(out, features)
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_prepare_images_normalises_on_the_device_once_per_device(channels_last):
     from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, _norm_constants,

@@ -370,6 +370,11 @@ def test_malformed_dist_url_is_one_sentence(slurm_env, url):
      "Application timeout caused pair closure"),
     (torch.distributed.DistBackendError("NCCL communicator was aborted on rank 3.\nmore"),
      "NCCL communicator was aborted on rank 3"),
+    # NCCL refusing the set-up is not a lost peer: a rerun fails the same way (nccl_setup_error).
+    (torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:3690, invalid usage"
+                                        "\nncclInvalidUsage: This usually reflects invalid usage "
+                                        "of NCCL library.\nLast error:\nDuplicate GPU detected : "
+                                        "rank 1 and rank 0 both on CUDA device 1a000"), None),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x512 and 256x5)"), None),
     (RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed."), None),
 ])
@@ -377,6 +382,25 @@ def test_peer_failures_are_told_from_other_errors(exc, reason):
     # A collective that failed because another rank died gets one line in train(); a bug in the
     # model or the data keeps its traceback.
     assert distributed_utils.peer_failure(exc) == reason
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("NCCL error in: NCCLUtils.cpp:77, invalid usage (run with NCCL_DEBUG=WARN for details), NCCL "
+     "version 2.27.5\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+     "Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000",
+     "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"),
+    ("NCCL error in: x.cpp:1, unhandled cuda error\nncclUnhandledCudaError: Call to CUDA function "
+     "failed.\nLast error:\nCuda failure 'out of memory'", "Cuda failure 'out of memory'"),
+    ("ncclInvalidArgument: Invalid value for an argument.", "ncclInvalidArgument"),
+    ("NCCL communicator was aborted on rank 3.", None),  # a peer's failure: peer_failure's
+    ("NCCL error: remote process exited or there was a network error, NCCL version 2.27.5\n"
+     "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting "
+     "prematurely.", None),
+])
+def test_nccl_set_up_errors_give_nccls_own_reason(text, reason):
+    assert distributed_utils.nccl_setup_error(torch.distributed.DistBackendError(text)) == reason
+    if reason is None:
+        assert distributed_utils.peer_failure(torch.distributed.DistBackendError(text))
 
 
 # ---------------------------------------------------------------- spawn launcher, several nodes
@@ -526,21 +550,67 @@ def test_restarted_ranks_on_several_machines_agree_on_the_attempt(slurm_env):
     assert agent.get("attempt3/single") == b"x"
 
 
-def test_gpu_of_a_local_rank_under_slurm_gpu_binding(slurm_env):
-    """--gpus-per-task=1 shows each task one GPU (device 0, whatever its SLURM_LOCALID); a task
-    given two GPUs is told to start one process per GPU."""
-    chosen = []
+@pytest.fixture
+def fake_gpus(slurm_env):
+    """``torch.cuda`` that reports GPUs; returns the devices set_device was called with."""
+    chosen: list[int] = []
     slurm_env.setattr(torch.cuda, "is_available", lambda: True)
     slurm_env.setattr(torch.cuda, "set_device", chosen.append)
+    return chosen
+
+
+def test_gpu_of_a_local_rank_under_slurm_gpu_binding(slurm_env, fake_gpus):
+    """--gpus-per-task=1 shows each task one GPU (device 0, whatever its SLURM_LOCALID); a task
+    given two GPUs is told to start one process per GPU."""
     slurm_env.setattr(torch.cuda, "device_count", lambda: 1)
     slurm_env.setenv("CUDA_VISIBLE_DEVICES", "5")
-    assert distributed_utils._pick_device("auto", 3) == torch.device("cuda", 0)
-    assert chosen == [0]
+    assert distributed_utils._pick_device("auto", 3, slurm_task=True) == torch.device("cuda", 0)
+    assert fake_gpus == [0]
     slurm_env.setattr(torch.cuda, "device_count", lambda: 2)
     slurm_env.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert distributed_utils._pick_device("cuda", 1) == torch.device("cuda", 1)
+    assert distributed_utils._pick_device("cuda", 1, slurm_task=True) == torch.device("cuda", 1)
     with pytest.raises(distributed_utils.LaunchError) as error:
-        distributed_utils._pick_device("cuda", 3)
+        distributed_utils._pick_device("cuda", 3, slurm_task=True)
     assert str(error.value) == (
         "local rank 3 has no GPU: only 2 visible (CUDA_VISIBLE_DEVICES=2,3); start one process "
         "per GPU (with SLURM: --gpus-per-task=1, or --ntasks-per-node equal to the GPUs per node).")
+
+
+def test_torchrun_with_more_processes_than_gpus_stops_every_rank(slurm_env, fake_gpus):
+    """``CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=2``: torchrun's workers share one view,
+    so the SLURM remap must not put both on GPU 0 (NCCL would refuse at the first collective).
+    Every local rank stops, local rank 0 too, with the launch sentence."""
+    slurm_env.setattr(torch.cuda, "device_count", lambda: 1)
+    slurm_env.setenv("CUDA_VISIBLE_DEVICES", "0")
+    slurm_env.setenv("LOCAL_WORLD_SIZE", "2")
+    for local_rank in (0, 1):
+        with pytest.raises(distributed_utils.LaunchError, match=re.escape(
+                "local rank 1 has no GPU: only 1 visible (CUDA_VISIBLE_DEVICES=0); start one "
+                "process per GPU")):
+            distributed_utils._pick_device("auto", local_rank)
+    assert fake_gpus == []
+    slurm_env.setenv("LOCAL_WORLD_SIZE", "1")
+    assert distributed_utils._pick_device("auto", 0) == torch.device("cuda", 0)
+
+
+def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(slurm_env, fake_gpus):
+    """NCCL gets device_id (it connects in init_process_group, so a refused set-up fails there);
+    under SLURM --gpus-per-task=1 local rank 3 is on cuda:0, and the classic
+    ``DDP(model, device_ids=[args.gpu])`` must get 0, not 3."""
+    calls = []
+    slurm_env.setattr(torch.cuda, "device_count", lambda: 1)
+    slurm_env.setattr(distributed_utils.dist, "init_process_group",
+                      lambda backend, **kwargs: calls.append((backend, kwargs)))
+    for key, value in dict(SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="3",
+                           CUDA_VISIBLE_DEVICES="3", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="29500").items():
+        slurm_env.setenv(key, value)
+    args = argparse.Namespace(device="cuda")
+    info = distributed_utils.init_distributed_mode(args)
+    assert (info.rank, info.local_rank, info.world_size, info.device) == \
+        (3, 3, 4, torch.device("cuda", 0))
+    assert (args.gpu, args.rank, args.dist_backend) == (0, 3, "nccl")
+    assert [(backend, kwargs["device_id"]) for backend, kwargs in calls] == \
+        [("nccl", torch.device("cuda", 0))]
+    distributed_utils.init_distributed_mode(device="cpu")
+    assert calls[-1][0] == "gloo" and calls[-1][1]["device_id"] is None

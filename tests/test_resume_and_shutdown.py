@@ -696,6 +696,26 @@ def test_a_peer_lost_after_a_signal_is_reported_as_the_interrupt(tmp_path, tiny_
     assert "lost contact" not in err and "Traceback" not in err
 
 
+def test_a_set_up_nccl_refuses_is_one_line_not_a_lost_peer(tmp_path, tiny_data, train_here,
+                                                           monkeypatch):
+    """Two ranks on one GPU: NCCL refuses at start-up, on every start. "Lost contact ... run the
+    same command again" would send the user round in circles."""
+    import train_common
+
+    def run(args, info):  # NCCL's message (torch 2.x), as the group is set up
+        raise torch.distributed.DistBackendError(
+            "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, invalid usage "
+            "(run with NCCL_DEBUG=WARN for details), NCCL version 2.27.5\nncclInvalidUsage: This "
+            "usually reflects invalid usage of NCCL library.\nLast error:\nDuplicate GPU "
+            "detected : rank 1 and rank 0 both on CUDA device 1a000")
+    monkeypatch.setattr(train_common, "_run", run)
+    code, err = train_here(flags(tiny_data, tmp_path / "out"))
+    assert code == 2, err[-3000:]
+    assert ("error: NCCL refused to set up the run (Duplicate GPU detected : rank 1 and rank 0 "
+            "both on CUDA device 1a000); give every process a GPU of its own") in err, err[-3000:]
+    assert "lost contact" not in err and "Traceback" not in err
+
+
 def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, tiny_data,
                                                                      train_here, monkeypatch):
     import train_common
