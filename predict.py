@@ -289,7 +289,7 @@ def _left_out(others: Sequence[Path]) -> str:
 
 def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
     """Expand patterns into their matches and folders into the image files anywhere below them
-    (both sorted); keep files as given.
+    (both sorted); keep files as given, each once.
 
     Files named explicitly are kept whatever their name or extension (and even if missing): they
     are reported per image later, so one typo does not stop the rest of the batch. So is a
@@ -315,7 +315,11 @@ def collect_images(inputs: Sequence[str | Path]) -> list[Path]:
             elif others:
                 log.warning("Folder %s: %s.", path, _left_out(others))
             paths.extend(found)
-    return paths
+    # A file named and also inside a named folder (or matched twice) is predicted once.
+    first: dict[str, Path] = {}
+    for path in paths:
+        first.setdefault(os.path.abspath(path), path)
+    return list(first.values())
 
 
 @torch.inference_mode()

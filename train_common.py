@@ -33,9 +33,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from model import MODELS, get_model
 from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, extract_state_dict,
-                                          load_file, load_matching_weights, prune_weights,
-                                          restore_rng_state, save_atomic, to_cpu, unwrap,
-                                          write_atomic)
+                                          load_file, load_matching_weights, not_a_file,
+                                          prune_weights, restore_rng_state, save_atomic, to_cpu,
+                                          unwrap, write_atomic)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, LaunchError,
                                                  all_gather_object, all_ranks_ok,
                                                  broadcast_object, cleanup, cpus_per_process,
@@ -549,7 +549,7 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
                             **loader_kwargs(workers, info.device))
     # Both loaders keep their workers between epochs (persistent_workers): say both counts.
-    log.info("%s%d validation images, %d classes, %s loader workers per process",
+    log.info("%s%d validation images, %d classes, %s loader worker(s) per process",
              "" if args.eval_only else f"{len(train_set)} training / ", len(val_set), num_classes,
              "no" if not workers else workers if args.eval_only
              else f"{workers} training + {workers} validation")
@@ -646,6 +646,8 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                           val_split=val_split)
     elif args.eval_only:  # bare weights: their run's files, where found, say what they are
         _check_bare_weights(args, trained_on, classes, warn=info.is_main)
+    else:  # fine-tuning: another model's weights would fit only here and there
+        _check_weights_model(args, source)
     new_head = trained_on not in (None, classes) and not args.eval_only
     if trained_on == classes and not args.eval_only and info.is_main:
         _warn_if_split_differs(source, args)
@@ -678,15 +680,24 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                     len(backbone), args.model, args.weights, short_list(backbone, 3))
 
 
+def _check_weights_model(args: argparse.Namespace, source: Any) -> None:
+    """Refuse ``--weights`` that record another model: a checkpoint's own args, bare weights'
+    run's args.json. (Weights from elsewhere, torchvision's, record none: their tensors tell.)"""
+    own = _is_checkpoint(source)
+    saved = source.get("args", {}) if own else run_args_near(args.weights)[0]
+    trained_with = saved.get("model") if isinstance(saved, dict) else None
+    if trained_with and trained_with != args.model:
+        said_by = "" if own else " (its run's args.json)"
+        raise CheckpointError(f"{args.weights} was trained with --model {trained_with}{said_by} "
+                              f"but this run has --model {args.model}; use --model "
+                              f"{trained_with}.")
+
+
 def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
                         classes: list[str], *, warn: bool) -> None:
     """Eval-only of bare weights: refuse another model or other classes, as named by the
     args.json and class_indices.json of their run; say when there is nothing to check by."""
-    trained_with = run_args_near(args.weights)[0].get("model")
-    if trained_with and trained_with != args.model:
-        raise CheckpointError(f"{args.weights} was trained with --model {trained_with} (its run's "
-                              f"args.json) but this run has --model {args.model}; use --model "
-                              f"{trained_with}.")
+    _check_weights_model(args, {})
     if trained_on is None and warn:
         log.warning("no class_indices.json beside %s (or one folder up): its class names cannot "
                     "be checked against the data's; if they differ, the accuracy is meaningless.",
@@ -786,12 +797,8 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
             path = str(out / "model_best.pth")  # epoch 0, complete: the same state
             log.info("the first epoch's save was interrupted before checkpoint.pth; its "
                      "model_best.pth is complete, so the run continues from it.")
-    elif os.path.isdir(path):
-        found = [f for f in ("checkpoint.pth", "model_best.pth") if os.path.isfile(Path(path) / f)]
-        error = (f"--resume {path} is a folder; give a file"
-                 + (f", e.g. {Path(path) / found[0]}." if found else "."))
-    elif not os.path.exists(path):
-        error = f"--resume {path} does not exist."
+    elif os.path.isdir(path) or not os.path.exists(path):
+        error = not_a_file(path, "--resume")
     path, error = broadcast_object((path, error))  # rank 0 decides, for every rank
     if error:
         raise CheckpointError(error)
@@ -829,6 +836,37 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
                               "from bare weights use --weights instead of --resume.")
     _check_checkpoint(ckpt, path, args, classes, warn=warn, val_split=val_split)
     return ckpt
+
+
+def _plan(args: argparse.Namespace, info: DistInfo, start_epoch: int,
+          amp_dtype: torch.dtype | None, channels_last: bool, lr: float) -> str:
+    """E.g. "training resnet34 at 224 px, epochs 0-29: 2 process(es) on cuda with nccl, bf16
+    autocast, channels-last; batch 32 per process, 64 per optimizer step; lr 0.01 (--lr 0.005 x 2
+    processes)"."""
+    how = [f"{info.world_size} process(es) on {info.device.type}"
+           + (f" with {info.backend}" if info.backend else "")]
+    if amp_dtype is not None:
+        how.append(f"{str(amp_dtype).removeprefix('torch.')} autocast")
+    if channels_last:
+        how.append("channels-last")
+    batch = f"batch {args.batch_size} per process"
+    if args.grad_accum_steps > 1 or info.world_size > 1:
+        batch += (f", {args.batch_size * args.grad_accum_steps * info.world_size} per optimizer "
+                  "step")
+    scaled = args.scale_lr and info.world_size > 1 and start_epoch == 0
+    return (f"training {args.model} at {args.img_size} px, epochs {start_epoch}-{args.epochs - 1}: "
+            f"{', '.join(how)}; {batch}; lr {lr:.3g}"
+            + (f" (--lr {args.lr:g} x {info.world_size} processes)" if scaled else ""))
+
+
+def _same_file(a: str | None, b: str | None) -> bool:
+    """``a`` and ``b`` name one file (either may be relative, to another folder, or gone)."""
+    if a is None or b is None:
+        return a == b
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _is_checkpoint(obj: Any) -> bool:
@@ -1122,6 +1160,12 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         if args.tensorboard:  # found now, not as a traceback after the data scan
             _check_on_rank0(_require_tensorboard, info=info)
     resume_path = _resolve_resume(args, out)
+    if args.weights and (resume_path is None or args.eval_only):  # read: found before the scan
+        problem = not_a_file(args.weights, "--weights")
+        if not all_ranks_ok(problem is None):
+            raise CheckpointError(problem or f"--weights {args.weights} is missing on some "
+                                  "machines of this run; put it on storage all machines share, "
+                                  "or copy it to each of them.")
     if args.freeze_layers and not args.weights and resume_path is None and not args.eval_only:
         raise ConfigError("--freeze-layers trains only the classifier (fc) on the features of "
                           "--weights, but no --weights was given, so the frozen layers would stay "
@@ -1237,9 +1281,17 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                      f" (the last saved; the best, val acc {best_acc:.4f}, is {best})"
                      if Path(resume_path).name == "checkpoint.pth" and best.is_file() else "")
         else:
+            started_from = ckpt.get("args", {}).get("weights", args.weights)
             log.info("resumed from %s: epoch %d done, best val acc %.4f%s", resume_path,
                      ckpt["epoch"], best_acc, f" (--weights {args.weights} only started the run "
-                     "and is not read again)" if args.weights else "")
+                     "and is not read again)" if args.weights and _same_file(
+                         started_from, args.weights) else "")
+            if args.weights and not _same_file(started_from, args.weights) and info.is_main:
+                # E.g. pretrained weights added to a command whose --output-dir holds a run.
+                log.warning("--weights %s is not read: this run resumes from %s, which started "
+                            "from %s; to start from %s, use another --output-dir (or --resume "
+                            "none here).", args.weights, resume_path, started_from or
+                            "random weights", args.weights)
 
     if args.eval_only:
         result = evaluate(model, val_loader, device, amp_dtype=amp_dtype, channels_last=channels_last)
@@ -1256,6 +1308,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                     args.weights, info=info)
     writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
                                        classes)
+    if info.is_main:  # what the flags and the launcher resolved to, in one line
+        log.info(_plan(args, info, start_epoch, amp_dtype, channels_last,
+                       optimizer.param_groups[0]["lr"]))
 
     # The loaders fork their workers in the first epoch. Frozen objects are left alone by the
     # workers' garbage collector, which would otherwise touch (so copy) every list and tuple

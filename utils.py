@@ -39,6 +39,12 @@ class DataError(ValueError):
     """A problem with the user's data, said in one sentence (what, where, how to fix)."""
 
 
+
+def _counted(count: int, reason: str) -> str:
+    """``"2 hidden files"``, ``"1 hidden file"``, ``"3 not a readable image"``."""
+    plural = count != 1 and reason.split()[-1] in ("file", "folder", "link", "duplicate")
+    return f"{count} {reason}{'s' if plural else ''}"
+
 @dataclass
 class FolderScan:
     """What was found under a dataset root: classes (sorted), their images, what was skipped."""
@@ -61,7 +67,7 @@ class FolderScan:
             for path, why in self.skipped:
                 by_reason.setdefault(why.split(" (")[0], []).append((path, why))
             lines.append(f"skipped {len(self.skipped)} file(s): "
-                         + ", ".join(f"{len(v)} {why}" for why, v in sorted(by_reason.items())))
+                         + ", ".join(_counted(len(v), why) for why, v in sorted(by_reason.items())))
             if "not an image extension" in by_reason:
                 lines[-1] += f" (read: {' '.join(IMG_EXTENSIONS)})"
             # Up to 20 examples, shared among the reasons: 30 sidecar .txt files must not hide
@@ -154,9 +160,13 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
     class_names = sorted((d for d in names
                           if not d.startswith(".") and os.path.isdir(os.path.join(root, d))),
                          key=lambda d: unicodedata.normalize("NFC", d))
+    loose = sum(1 for n in names if n.lower().endswith(IMG_EXTENSIONS) and not n.startswith("."))
+    # A class folder given as the data path holds its images itself: name the folder above.
+    parent_hint = (f"; it holds {loose} image(s) itself, like one class's folder: did you mean "
+                   f"{os.path.dirname(os.path.abspath(root))}?" if loose else ".")
     if not class_names:
         raise DataError(f"data path {root} has no class sub-folders; expected one sub-folder of "
-                        "images per class (e.g. flower_photos/daisy/*.jpg).")
+                        f"images per class (e.g. flower_photos/daisy/*.jpg){parent_hint}")
     for name in class_names:
         if not _is_utf8(name):
             raise DataError(f"class folder {printable_path(name)} in {root} has a name that is "
@@ -222,7 +232,8 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
                         f"{', '.join(IMG_EXTENSIONS)} in {len(class_names)} class folders).")
     if len(classes) < 2:
         raise DataError(f"only one class with images under {root} ({classes[0]}); "
-                        "classification needs at least two class folders with images.")
+                        f"classification needs at least two class folders with images"
+                        f"{parent_hint}")
     return scan
 
 
@@ -406,7 +417,11 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     bars = ax.bar(range(len(counts)), counts, align="center")
     if len(counts) <= 60:  # names and counts while they fit
         ax.bar_label(bars)
-        ax.set_xticks(range(len(counts)), scan.classes, rotation=45 if len(counts) > 6 else 0)
+        ax.margins(y=0.12)  # room for the tallest bar's count below the title
+        # About 7 characters fit under a bar at 0.6 inch: longer names are slanted, not overlapped.
+        slant = len(counts) > 6 or max(map(len, scan.classes)) > 7
+        ax.set_xticks(range(len(counts)), scan.classes, rotation=45 if slant else 0,
+                      ha="right" if slant else "center")
     ax.set_xlabel("image class")
     ax.set_ylabel("number of images")
     ax.set_title("class distribution")

@@ -86,11 +86,27 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
+def not_a_file(path: str | os.PathLike, name: str = "checkpoint/weights file") -> str | None:
+    """One sentence if ``path`` is not a file (``name`` says which argument it is), else None.
+
+    A folder is a common slip (a run's folder for its checkpoint): the sentence names a file in it.
+    """
+    if os.path.isfile(path):
+        return None
+    if not os.path.isdir(path):
+        return f"{name} {path} does not exist."
+    found = [Path(path) / f for f in ("checkpoint.pth", "model_best.pth")]
+    found = [f for f in found if f.is_file()] or sorted(
+        Path(path).glob("*.pth"), key=lambda f: f.stat().st_mtime, reverse=True)
+    return f"{name} {path} is a folder; give a file" + (f", e.g. {found[0]}." if found else ".")
+
+
 def load_file(path: str | os.PathLike) -> Any:
     """``torch.load`` on CPU with ``weights_only=True``; a clear error for anything unusable,
     including a file whose bytes were damaged after it was written (CRC check)."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint/weights file {path} does not exist.")
+    problem = not_a_file(path)
+    if problem:
+        raise CheckpointError(problem)
     is_zip = zipfile.is_zipfile(path)
     if is_zip:
         damage = _zip_damage(path)

@@ -155,6 +155,9 @@ def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
     ("no_subfolders", "has no class sub-folders"),
     ("no_images", "no readable images found"),
     ("one_class_left", "only one class with images"),
+    # --data-path flower_photos/roses: its images lie in it, a sub-folder is one class at most
+    ("class_folder", "with images; it holds 2 image(s) itself, like one class's folder: did you "
+                     "mean {parent}?"),
 ])
 def test_scan_errors_say_what_and_where(tmp_path, case, message):
     root = tmp_path / "data"
@@ -172,9 +175,17 @@ def test_scan_errors_say_what_and_where(tmp_path, case, message):
         make_class(root / "a", 3, 0)
         (root / "b").mkdir()
         (root / "b" / "zero.jpg").write_bytes(b"")
+    elif case == "class_folder":
+        make_class(root / "sub", 3, 0)
+        write_jpeg(root / "a.jpg", 0)
+        write_jpeg(root / "B.JPG", 1)
     with pytest.raises(DataError) as err:
         scan_image_folder(str(root))
+    message = message.format(parent=tmp_path)
     assert message in str(err.value) and str(root) in str(err.value)
+    if case == "no_subfolders":
+        assert str(err.value).endswith("it holds 1 image(s) itself, like one class's folder: did "
+                                       f"you mean {tmp_path}?")
 
 
 def _bytes_path(folder: Path, name: bytes) -> str:
@@ -409,7 +420,7 @@ def test_symlinked_duplicates_are_kept_once(tmp_path):
         (str(b / "02.jpg"), f"duplicate (same file as {a / 'aa_from_b.jpg'})"),
         (str(b / "loop"), f"duplicate (same folder as {b})"),
         (str(b / "zz_from_a.jpg"), f"duplicate (same file as {a / '01.jpg'})")]
-    assert "skipped 4 file(s): 4 duplicate" in scan.summary()  # one reason, however many firsts
+    assert "skipped 4 file(s): 4 duplicates" in scan.summary()  # one reason, however many firsts
     _, _, val_p, _, _ = split_train_val(scan.images, 0.5)
     assert not {os.path.realpath(p) for p in val_p} & {
         os.path.realpath(p) for p in flat if p not in val_p}  # no image in both splits
@@ -801,7 +812,7 @@ def test_torchrun_trains_through_messy_folder(messy, tmp_path):
     assert res.returncode == 0, out[-4000:]
     # Summary once (rank 0 only), with counts, each skipped file once, dropped class named.
     assert out.count("20 images in 4 classes") == 1, out[-4000:]
-    assert out.count("skipped 8 file(s): 1 dangling link, 1 empty file, 2 hidden file, "
+    assert out.count("skipped 8 file(s): 1 dangling link, 1 empty file, 2 hidden files, "
                      "3 not a readable image, 1 not an image extension") == 1, out[-4000:]
     for p in (messy / "red rose" / "corrupt.jpg", messy / "café" / "dangling.jpg"):
         assert out.count(f"skipped {p}:") == 1

@@ -46,6 +46,10 @@ def test_torchrun_two_processes(tiny_data, tmp_path):
     check_run_dir(out, epochs=2, world_size=2)
     # Rank 0 alone logs: one summary line per epoch in the combined output.
     assert (res.stderr + res.stdout).count("[epoch 1] train loss") == 1
+    # What the launcher and the flags resolved to, said once: device, backend, global batch, lr.
+    assert (res.stderr + res.stdout).count(
+        "training resnet18 at 32 px, epochs 0-1: 2 process(es) on cpu with gloo; batch 4 per "
+        "process, 8 per optimizer step; lr 0.002 (--lr 0.001 x 2 processes)\n") == 1
 
 
 def test_legacy_launch_use_env(tiny_data, tmp_path):
@@ -124,6 +128,8 @@ def test_plain_python_single_process(tiny_data, tmp_path):
     check_run_dir(out, epochs=1, world_size=1)
     # A flag that cannot act here says so instead of being silently ignored.
     assert "--comm-hook bf16 does nothing in a single process" in res.stderr
+    assert ("training resnet18 at 32 px, epochs 0-0: 1 process(es) on cpu; batch 4 per process; "
+            "lr 0.001\n") in res.stderr
 
 
 @pytest.mark.parametrize("argv, expected", [

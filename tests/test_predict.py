@@ -299,6 +299,10 @@ def test_dataset_root_is_searched_recursively_without_loops(
     (root / "rose" / "loop").symlink_to(root, target_is_directory=True)  # must neither hang nor repeat
 
     assert predict.collect_images([root]) == sorted(expected)
+    # A file named beside its folder (or twice) is predicted once, where first named.
+    rose = expected[2]
+    assert predict.collect_images([rose, root / "rose", f"{root}/rose/../rose/r0.JPG"]) == \
+        [rose, root / "rose" / "loop" / "daisy" / "d0.jpg", expected[1]]
     with caplog.at_level(logging.INFO):
         code = _main("--weights", run["dir"] / "checkpoint.pth", root)
 

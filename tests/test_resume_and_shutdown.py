@@ -963,6 +963,15 @@ def test_a_resumed_run_needs_its_weights_file_no_more(run_a, tmp_path, tiny_data
     assert (f"resumed from {out / 'checkpoint.pth'}: epoch 0 done") in err
     assert f"(--weights {pretrained} only started the run and is not read again)" in err
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
+    # Other weights added to the command of an existing run are not read: it says so.
+    other = Path(shutil.copy(run_a / "weights" / "model-1.pth", tmp_path / "other.pth"))
+    code, err = train_here(flags(tiny_data, out, "--weights", str(other), "--freeze-layers",
+                                 "--epochs", "2"))
+    assert code == 0, err[-3000:]
+    assert (f"--weights {other} is not read: this run resumes from {out / 'checkpoint.pth'}, "
+            f"which started from {pretrained}; to start from {other}, use another --output-dir"
+            ) in err, err[-3000:]
+    assert "only started the run" not in err
 
 
 def test_bare_weights_are_checked_against_their_runs_class_names(run_a, tmp_path, tiny_data,
@@ -1564,7 +1573,8 @@ def test_the_run_lock_dies_with_the_run_not_with_its_forked_children(tmp_path):
 @pytest.mark.parametrize("case", ["under-a-file", "missing-resume", "resume-folder",
                                   "eval-only-unfit-weights", "weights-is-a-file",
                                   "eval-only-resume-and-weights", "inside-the-data",
-                                  "batch-1-at-32px"])
+                                  "batch-1-at-32px", "missing-weights", "weights-folder",
+                                  "weights-of-another-model"])
 def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, train_here):
     out, extra = tmp_path / "out", []
     if case == "inside-the-data":  # the rerun would find the run's folder as a class
@@ -1584,6 +1594,15 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
         out.mkdir()
         (out / "weights").write_text("x")
         expect = f"{out / 'weights'} is not a folder"
+    elif case == "missing-weights":  # found before the data scan, which may take minutes
+        extra, expect = ["--weights", str(tmp_path / "nope.pth")], "nope.pth does not exist"
+    elif case == "weights-folder":  # a run's folder where its file was meant
+        extra = ["--weights", str(run_a / "weights")]
+        expect = f"--weights {run_a / 'weights'} is a folder; give a file, e.g. {run_a / 'weights'}"
+    elif case == "weights-of-another-model":  # fine-tuning too: only some tensors would fit
+        extra = ["--weights", str(run_a / "checkpoint.pth"), "--model", "resnet34"]
+        expect = (f"{run_a / 'checkpoint.pth'} was trained with --model resnet18 but this run "
+                  "has --model resnet34; use --model resnet18.")
     elif case == "eval-only-resume-and-weights":  # which one to score would be a guess
         extra = ["--eval-only", "--resume", str(run_a / "checkpoint.pth"), "--weights",
                  str(run_a / "weights" / "model-0.pth")]
@@ -1597,6 +1616,8 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and expect in errors[0], err[-3000:]
     assert "Traceback" not in err
+    if case in ("missing-weights", "weights-folder"):
+        assert " images in " not in err, err[-3000:]  # before the scan's summary
 
 
 @pytest.mark.parametrize("where", ["folder", "run-files", "args"])
