@@ -77,7 +77,7 @@ log = logging.getLogger("benchmark")
 FLOWER_TRAIN_IMAGES = 2935
 PIPELINE_TARGET = 1.6  # ours / template images per second per worker
 LOOP_TARGET = 0.95  # train_one_epoch / bare loop images per second
-# Data included, one GPU: the H200 target for ResNet34 at 224 px, bf16, channels-last.
+# Data included, one H200 GPU: the target for ResNet34 at 224 px, bf16, channels-last.
 CUDA_TARGET_IMG_PER_S = 5000
 DATA_EFFICIENT = 0.9  # with data / compute alone: above it, the data costs (almost) nothing
 OVERHEAD_STEPS = 200  # steps of the near-free model that measure the loop's own cost

@@ -24,7 +24,8 @@ def make_dataset(size: int, seed: int) -> TensorDataset:
 
 
 def main(args: argparse.Namespace) -> None:
-    info = init_distributed_mode(args)  # torchrun/SLURM variables, or one process without them
+    # torchrun/SLURM variables, or one process without them; args is left alone
+    info = init_distributed_mode(device=args.device)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(info.device)
     if info.distributed:  # DDP copies rank 0's initial weights to the others
         model = nn.parallel.DistributedDataParallel(

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -22,7 +23,7 @@ import tempfile
 import threading
 import time
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,9 +36,9 @@ from model import MODELS, get_model
 from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, extract_state_dict,
                                           load_file, load_matching_weights, not_a_file,
                                           prune_weights, restore_rng_state, save_atomic, to_cpu,
-                                          unwrap, write_atomic)
-from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, LaunchError,
-                                                 all_gather_object, all_ranks_ok,
+                                          write_atomic)
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
+                                                 LaunchError, all_gather_object, all_ranks_ok,
                                                  broadcast_object, cleanup, cpus_per_process,
                                                  init_distributed_mode, nccl_setup_error,
                                                  peer_failure, register_comm_hook)
@@ -45,10 +46,10 @@ from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, common_amp_dtype, evaluate,
                                                resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet
-from utils import (DataError, default_demo_root, find_run_file, get_transforms, make_demo_data,
-                   missing_glyphs_ignored, plot_class_distribution, scan_image_folder,
-                   run_args_near, short_list, split_key, split_train_val, user_path,
-                   write_json_atomic)
+from utils import (DataError, FolderScan, default_demo_root, find_run_file, get_transforms,
+                   make_demo_data, missing_glyphs_ignored, plot_class_distribution,
+                   run_args_near, scan_image_folder, short_list, split_key, split_train_val,
+                   user_path, write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -74,7 +75,8 @@ class BoolFlag(argparse.BooleanOptionalAction):
         self.nargs = "?"
         self.metavar = "BOOL"
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
         if option_string.startswith("--no-") or values is None:
             return super().__call__(parser, namespace, values, option_string)
         text = str(values).lower()
@@ -99,10 +101,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _number(kind: type, minimum: float, what: str, below: float = math.inf,
-            at_most: float = math.inf):
+            at_most: float = math.inf) -> Callable[[str], float]:
     """An argparse ``type`` for ``minimum <= value < below`` and ``value <= at_most``; else a
     one-line usage error."""
-    def parse(text: str):
+    def parse(text: str) -> float:
         value = kind(text)
         if not (minimum <= value < below and value <= at_most and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
@@ -169,7 +171,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     optim.add_argument("--batch-size", "--batch_size", type=POSITIVE_INT, default=16,
                        help="per process; the global batch is this x world size")
     optim.add_argument("--lr", type=POSITIVE, default=0.001,
-                       help="learning rate for one process; multiplied by world size")
+                       help="learning rate for one process; times the world size with --scale-lr")
     optim.add_argument("--scale-lr", action=BoolFlag, default=True,
                        help="linear scaling: lr x world size (Goyal et al. 2017, arXiv:1706.02677)")
     optim.add_argument("--lrf", type=NON_NEGATIVE, default=0.1,
@@ -197,7 +199,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
     dist.add_argument("--dist-url", "--dist_url", default="env://",
                       help="env:// (torchrun/SLURM/spawn set the variables) or tcp://HOST:PORT")
-    dist.add_argument("--dist-timeout", type=POSITIVE, default=1800.0,
+    dist.add_argument("--dist-timeout", type=POSITIVE, default=DEFAULT_TIMEOUT_S,
                       help="seconds a collective may wait for a peer before failing")
     # torch.distributed.launch without --use_env passes --local-rank; LOCAL_RANK is read instead.
     dist.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -248,8 +250,8 @@ _forks_guarded = False
 
 
 def _guard_forks() -> None:
-    """Keep SIGINT/SIGTERM out of os.fork's at-fork callbacks (DataLoader workers start with
-    each epoch's first validation). A KeyboardInterrupt raised there (in logging's lock release)
+    """Keep SIGINT/SIGTERM out of os.fork's at-fork callbacks (each loader forks its persistent
+    workers once, at its first batch). A KeyboardInterrupt raised there (in logging's lock release)
     is printed as "Exception ignored" and lost: the run went on after its stop signal. The
     signal is noted instead and raised again just after fork() has returned. Registered last,
     these callbacks run first before a fork and last after it."""
@@ -398,9 +400,19 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     except KeyboardInterrupt as exc:
         _stop_interrupted(str(exc) or "SIGINT", args, info)
     except RuntimeError as exc:
-        if _signal_received and peer_failure(exc):
+        if _signal_received and (peer_failure(exc) or _WORKER_DIED.search(str(exc))):
             # A peer stopped on the same signal first: the run was interrupted, nothing failed.
             _stop_interrupted(_signal_received, args, info)
+        worker = _WORKER_DIED.search(str(exc))
+        if worker:  # raised by torch's SIGCHLD handler wherever the rank was: not a traceback
+            _quiet_second_signal()
+            _expect_worker_deaths()
+            # torch names the signal only when its SIGCHLD handler saw the death first.
+            log.error("error: %s - most often the out-of-memory killer (see dmesg): lower "
+                      "--workers or --batch-size, or give the job more memory (a crash in native "
+                      "code shows its own error with --workers 0). Run the same command again: "
+                      "it continues from %s.", worker.group(0), _continues_from(args))
+            sys.exit(1)
         nccl_refused = nccl_setup_error(exc)
         if nccl_refused:
             log.error("error: NCCL refused to set up the run (%s); give every process a GPU of "
@@ -422,9 +434,7 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             sys.exit(1)
         log.error("error: lost contact with the other processes of the run (%s); usually one of "
                   "them died or hung - its own output says why. Run the same command again: it "
-                  "continues from %s.", reason, "the last complete checkpoint in "
-                  f"{args.output_dir}" if (Path(args.output_dir) / "checkpoint.pth").is_file()
-                  else "the start")
+                  "continues from %s.", reason, _continues_from(args))
         sys.exit(1)
     finally:
         _quiet_second_signal()
@@ -433,6 +443,18 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         gc.unfreeze()  # train() may be called again in this process
         for signum, handler in saved_handlers.items():  # train() may be called again
             signal.signal(signum, handler)
+
+
+# torch's words for a DataLoader worker that died (its SIGCHLD handler raises them in the rank).
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? [^)]*\) (is killed by signal: "
+                          r"[^.\n]*|exited unexpectedly[^.\n]*)")
+
+
+def _continues_from(args: argparse.Namespace) -> str:
+    """Where a rerun of the same command continues, for messages."""
+    if (Path(args.output_dir) / "checkpoint.pth").is_file():
+        return f"the last complete checkpoint in {args.output_dir}"
+    return "the start"
 
 
 def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | None) -> NoReturn:
@@ -469,7 +491,7 @@ def _seed_everything(seed: int, rank: int) -> None:
 _waiting_for: str | None = None
 
 
-def _scan_on_rank0(root: str, verify: bool, info: DistInfo):
+def _scan_on_rank0(root: str, verify: bool, info: DistInfo) -> FolderScan:
     """Scan once (rank 0) and hand every rank the same result or the same error."""
     result: Any = None
     if info.is_main:
@@ -504,7 +526,9 @@ def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
     return kwargs
 
 
-def _build_data(args: argparse.Namespace, info: DistInfo, out: Path):
+def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
+                ) -> tuple[FolderScan, MyDataSet, MyDataSet, DistributedSampler, DataLoader,
+                           DataLoader]:
     root = args.data_path
     if root is None:
         root = str(make_demo_data(args.demo_dir or default_demo_root()))
@@ -567,7 +591,7 @@ def _writing_in(out: Path) -> Iterator[None]:
                        "again.") from None
 
 
-def _write_run_files(out: Path, scan) -> None:
+def _write_run_files(out: Path, scan: FolderScan) -> None:
     """Rank 0, once the run is known to be valid: what the data scan found, kept with the run."""
     with _writing_in(out):
         skipped = out / "skipped_files.txt"
@@ -1097,12 +1121,12 @@ def _release_output_dir() -> None:
         _RUN_LOCK = None
 
 
-def _check_on_rank0(check, *args: Any, info: DistInfo) -> None:
+def _check_on_rank0(check: Callable[..., None], *check_args: Any, info: DistInfo) -> None:
     """Run ``check`` on rank 0 and raise its user error on every rank, so none waits alone."""
     error = None
     if info.is_main:
         try:
-            check(*args)
+            check(*check_args)
         except USER_ERRORS as exc:
             error = exc
     error = broadcast_object(error)
@@ -1166,6 +1190,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             raise CheckpointError(problem or f"--weights {args.weights} is missing on some "
                                   "machines of this run; put it on storage all machines share, "
                                   "or copy it to each of them.")
+    if args.eval_only and resume_path is None and not args.weights:
+        raise ConfigError("--eval-only needs a model: give --resume CHECKPOINT or --weights FILE.")
     if args.freeze_layers and not args.weights and resume_path is None and not args.eval_only:
         raise ConfigError("--freeze-layers trains only the classifier (fc) on the features of "
                           "--weights, but no --weights was given, so the frozen layers would stay "
@@ -1229,13 +1255,12 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     params = [p for p in model_without_ddp.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    # Cosine from lr to lr * lrf over the run (as the template; SGDR, arXiv:1608.03983).
-    lr_lambda = lambda e: ((1 + math.cos(e * math.pi / args.epochs)) / 2) * (1 - args.lrf) + args.lrf  # noqa: E731
+    def lr_lambda(epoch: int) -> float:
+        """Cosine from lr to lr * lrf over the run (as the template; SGDR, arXiv:1608.03983)."""
+        return ((1 + math.cos(epoch * math.pi / args.epochs)) / 2) * (1 - args.lrf) + args.lrf
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_lambda)
 
     start_epoch, best_acc, history = 0, 0.0, []
-    if args.eval_only and ckpt is None and not args.weights:
-        raise ConfigError("--eval-only needs a model: give --resume CHECKPOINT or --weights FILE.")
     if ckpt is not None:
         if not args.eval_only:
             try:
@@ -1339,12 +1364,12 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                            f"diverged, so this epoch is not saved; lower --lr. {_START_OVER}")
         epoch_seconds = time.perf_counter() - t0
         val_acc = result.top1
-        images = len(train_loader) * args.batch_size * info.world_size
+        epoch_images = len(train_loader) * args.batch_size * info.world_size
         record = {"epoch": epoch, "train_loss": round(train_loss, 6), "val_acc": round(val_acc, 6),
                   "val_loss": round(result.loss, 6), "val_top5": result.top5,
                   "lr": lr_used,  # exact: a schedule can be checked against it
                   "epoch_seconds": round(epoch_seconds, 3),
-                  "train_images_per_sec": round(images / train_seconds, 2)}
+                  "train_images_per_sec": round(epoch_images / train_seconds, 2)}
         history.append(record)
         # The first epoch here is the best so far even at 0 accuracy (model_best.pth always
         # exists), also when resumed into a new folder: best_acc is then this file's, not the
@@ -1353,18 +1378,20 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         is_best = no_best_yet or val_acc > best_acc
         best_acc = val_acc if no_best_yet else max(best_acc, val_acc)
         rng_states = all_gather_object(capture_rng_state(info.device))
-        state = None
+        epoch_state = None
         if info.is_main:
             # On the CPU: the files load anywhere (a laptop, predict.py, torchvision).
-            state = {"model": to_cpu(unwrap(model).state_dict()),
-                     "optimizer": to_cpu(optimizer.state_dict()),
-                     "lr_scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc,
-                     "args": _jsonable(args, num_classes=num_classes, world_size=info.world_size),
-                     "classes": classes, "metrics": history, "rng_states": rng_states,
-                     "val_split": val_split}
+            # "lr_scheduler" is a record for scripts that load it; a resume rebuilds the schedule.
+            epoch_state = {
+                "model": to_cpu(model_without_ddp.state_dict()),
+                "optimizer": to_cpu(optimizer.state_dict()),
+                "lr_scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc,
+                "args": _jsonable(args, num_classes=num_classes, world_size=info.world_size),
+                "classes": classes, "metrics": history, "rng_states": rng_states,
+                "val_split": val_split}
             if scaler.is_enabled():
-                state["scaler"] = scaler.state_dict()
-        if info.is_main:  # before the save: a stop held during it would skip this
+                epoch_state["scaler"] = scaler.state_dict()
+            # Said before the save: a stop held during the save would skip it.
             log.info("[epoch %d] train loss %.4f  val acc %.4f%s  val loss %.4f  lr %.2e  %.1fs  "
                      "%.0f img/s", epoch, train_loss, val_acc,
                      f"  top5 {result.top5:.4f}" if result.top5 is not None else "", result.loss,
@@ -1378,7 +1405,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                         writer.add_scalar(tag, value, epoch)
                 writer.flush()
         with _signals_held():  # on every rank: a stop now waits until the epoch is on disk
-            _check_on_rank0(_save_epoch, out, state, record, is_best, args.keep_last, info=info)
+            _check_on_rank0(_save_epoch, out, epoch_state, record, is_best, args.keep_last,
+                            info=info)
         if writer and epoch == args.epochs - 1:  # after the save: the epoch is kept first
             with missing_glyphs_ignored():
                 writer.add_figure("confusion_matrix", _confusion_figure(result, classes), epoch)
@@ -1440,7 +1468,7 @@ def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_bes
 SPLIT_SCHEME = "hash1:"
 
 
-def _split_digest(root: str | os.PathLike, paths: list[str]) -> str:
+def _split_digest(root: str | os.PathLike, paths: Sequence[str]) -> str:
     """A short fingerprint of which files are validation images (relative to the data root, so
     a moved data set keeps it), prefixed by the split scheme."""
     names = sorted(split_key(p, str(root)) for p in paths)
@@ -1461,7 +1489,7 @@ def _resumed_schedule(optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda, last_epoch=start_epoch - 1)
 
 
-def _step_logger(writer):
+def _step_logger(writer: Any) -> Callable[[int, float, float], None] | None:
     """``log_fn`` for train_one_epoch: running loss and lr every --print-freq steps."""
     if writer is None:
         return None
@@ -1497,8 +1525,9 @@ def _require_tensorboard() -> None:
                           "tensorboard, or pass --no-tensorboard.") from None
 
 
-def _tensorboard(args, info: DistInfo, out: Path, start_epoch: int, steps_per_epoch: int,
-                 train_set, classes):
+def _tensorboard(args: argparse.Namespace, info: DistInfo, out: Path, start_epoch: int,
+                 steps_per_epoch: int, train_set: MyDataSet, classes: list[str]
+                 ) -> tuple[Any, Any]:
     """(per-epoch writer, per-step writer) on rank 0 with --tensorboard, else (None, None).
 
     Two writers, because TensorBoard purges every tag of a log from its ``purge_step`` on: one
@@ -1523,7 +1552,8 @@ def _tensorboard(args, info: DistInfo, out: Path, start_epoch: int, steps_per_ep
 CONFUSION_NAMES, CONFUSION_COUNTS = 60, 22  # class names on the axes, counts in the cells
 
 
-def _confusion_figure(result: EvalResult, classes: list[str]):
+def _confusion_figure(result: EvalResult, classes: list[str]) -> Any:
+    """The confusion matrix (counts; rows: true class) as a matplotlib figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

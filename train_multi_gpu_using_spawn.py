@@ -121,9 +121,10 @@ def main(args: argparse.Namespace) -> None:
         _fail(f"--node-rank {args.node_rank} but --nnodes {args.nnodes}: node ranks run from 0 "
               f"to {args.nnodes - 1}.")
     nprocs = _processes_per_node(args)
-    args.world_size = nprocs  # as resolved here (GPUs visible): what the ranks compare across nodes
     addr, port = _rendezvous(args)
-    args.dist_url = "env://"  # the children read MASTER_ADDR/PORT like torchrun's
+    # What the processes get: the count as resolved here (GPUs visible), which the ranks compare
+    # across nodes, and env:// (they read MASTER_ADDR/PORT like torchrun's). The user's args stay.
+    args = argparse.Namespace(**{**vars(args), "world_size": nprocs, "dist_url": "env://"})
     if args.node_rank == 0:
         _check_port_free(port)
     log.info("starting %d process(es) on node %d/%d, rendezvous at %s:%d", nprocs,

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFilter
 from torchvision.transforms import v2
 
 from multi_train_utils.checkpoint import write_atomic
 from multi_train_utils.distributed_utils import is_main_process
-from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401 (re-export)
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
 from my_dataset import check_image, printable_path
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,11 @@ class DataError(ValueError):
     """A problem with the user's data, said in one sentence (what, where, how to fix)."""
 
 
-
 def _counted(count: int, reason: str) -> str:
     """``"2 hidden files"``, ``"1 hidden file"``, ``"3 not a readable image"``."""
     plural = count != 1 and reason.split()[-1] in ("file", "folder", "link", "duplicate")
     return f"{count} {reason}{'s' if plural else ''}"
+
 
 @dataclass
 class FolderScan:
@@ -516,8 +516,6 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int):
     roses: red layered disc; tulips: pink-purple cup), with jittered hue, size, position and
     clutter, so the model must find the flower: learnable in a few CPU epochs, not trivial.
     """
-    from PIL import Image, ImageDraw, ImageFilter
-
     def jitter(rgb: tuple[int, int, int], amount: int = 25) -> tuple[int, ...]:
         return tuple(min(255, max(0, c + rng.randint(-amount, amount))) for c in rgb)
 
@@ -569,7 +567,8 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int):
 
 def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64,
                    seed: int = 0) -> Path:
-    """Write the demo dataset (``root/<shape>/<n>.jpg``) if absent; return ``root``.
+    """Write the demo dataset (``root/<class>/NNNN.jpg``, 5 flower classes) if absent; return
+    ``root``.
 
     Deterministic for (per_class, size, seed). Safe when several processes call it at once: each
     writes a private temp folder and renames it into place; the first rename wins.

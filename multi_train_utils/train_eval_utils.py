@@ -356,5 +356,5 @@ def _reduce_confusion(confusion: torch.Tensor) -> torch.Tensor:
     return reduce_value(confusion, average=False).cpu().view(side, side)
 
 
-__all__ = ["train_one_epoch", "evaluate", "EvalResult", "prepare_images", "resolve_amp_dtype", "IGNORE_INDEX",
-           "IMAGENET_MEAN", "IMAGENET_STD"]
+__all__ = ["train_one_epoch", "evaluate", "EvalResult", "prepare_images", "resolve_amp_dtype",
+           "common_amp_dtype", "IGNORE_INDEX", "IMAGENET_MEAN", "IMAGENET_STD"]

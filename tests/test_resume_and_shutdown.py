@@ -696,6 +696,39 @@ def test_a_peer_lost_after_a_signal_is_reported_as_the_interrupt(tmp_path, tiny_
     assert "lost contact" not in err and "Traceback" not in err
 
 
+def test_a_killed_loader_worker_is_one_line_with_the_likely_cause(tmp_path, tiny_data):
+    """The OOM killer takes a DataLoader worker: torch raises "DataLoader worker (pid N) is
+    killed by signal: Killed." wherever the rank happens to be (from its SIGCHLD handler, e.g.
+    inside a collective): one line with the likely cause, not a traceback wall. (In a process of
+    its own: the death is signalled to that process, as in a real run.)"""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        import train_common
+        from train_multi_gpu_using_launch import get_args_parser
+        def killing(model, optimizer, data_loader, *args, **kwargs):
+            batches = iter(data_loader)
+            next(batches)
+            os.kill(batches._workers[0].pid, signal.SIGKILL)
+            for _ in range(600):  # the next batches, or a sleep, meet the death
+                next(batches, None)
+                time.sleep(0.1)
+            print("THE DEATH WAS NEVER NOTICED", flush=True)
+        train_common.train_one_epoch = killing
+        train_common.train(get_args_parser().parse_args(sys.argv[1:]))
+    """)
+    result = run([sys.executable, "-c", script, *flags(tiny_data, tmp_path / "out", workers=1)],
+                 timeout=120, PYTHONPATH=str(ROOT))
+    assert result.returncode == 1, result.stderr[-3000:] + result.stdout[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    # Which words torch uses depends on which of its checks sees the death first.
+    assert re.search(r"error: DataLoader worker \(pid(\(s\))? \d+\) (is killed by signal: Killed|"
+                     r"exited unexpectedly) - most often the out-of-memory killer \(see dmesg\): "
+                     r"lower --workers or --batch-size, or give the job more memory \(a crash in "
+                     r"native code shows its own error with --workers 0\)\. Run the same command "
+                     r"again: it continues from the start\.", errors[0]), errors[0]
+
+
 def test_a_set_up_nccl_refuses_is_one_line_not_a_lost_peer(tmp_path, tiny_data, train_here,
                                                            monkeypatch):
     """Two ranks on one GPU: NCCL refuses at start-up, on every start. "Lost contact ... run the
@@ -1001,7 +1034,7 @@ def test_bare_weights_are_checked_against_their_runs_class_names(run_a, tmp_path
     out = tmp_path / "fine-tune"  # training from them: the head starts new
     code, err = train_here(flags(data, out, "--epochs", "1", "--weights", str(weights)))
     assert code == 0, err[-3000:]
-    assert (f"the classifier (fc.bias, fc.weight) starts new for 5 classes (it was trained on "
+    assert ("the classifier (fc.bias, fc.weight) starts new for 5 classes (it was trained on "
             "daisy, dandelion, roses, sunflowers, tulips)") in err
 
 
