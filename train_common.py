@@ -296,13 +296,22 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Finish the block before a SIGINT/SIGTERM takes effect, then raise it as usual."""
+    """Finish the block before a SIGINT/SIGTERM takes effect, then raise it as usual.
+
+    A DataLoader worker that dies meanwhile (torchrun's SIGTERM reaches the workers a moment
+    before their rank) would make torch's SIGCHLD handler raise inside torch.save, even inside
+    our SIGTERM handler while it swaps that handler out: torch's is left out for the block, so
+    the death is noticed after the save (by torch's next fetch, or as the stop it is part of).
+    """
     global _held_signals
     _held_signals = []
+    sigchld = signal.signal(signal.SIGCHLD, _ignore_signal)
     try:
         yield
     finally:
         held, _held_signals = _held_signals, None
+        if _signal_received is None and sigchld is not None:  # a stop keeps workers' deaths quiet
+            signal.signal(signal.SIGCHLD, sigchld)
     if held:
         log.warning("%s arrived while the checkpoint was written; it is complete, now stopping.",
                     signal.Signals(held[0]).name)
@@ -333,7 +342,11 @@ def _expect_worker_deaths() -> None:
     # terminates daemon children at exit). Their SIGCHLD would otherwise raise "DataLoader worker
     # is killed by signal" in the middle of the clean-up and replace the interrupt. A no-op
     # handler, not SIG_DFL: Python raises OSError for a pending signal whose handler went away.
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.signal(signal.SIGCHLD, _ignore_signal)
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    """A handler that does nothing (see _expect_worker_deaths)."""
 
 
 def die_with_launcher(launcher_pid: int | None = None) -> None:
@@ -394,7 +407,7 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         _run(args, info)
     except USER_ERRORS as exc:
         # Every rank raises it: said once per machine (rank 0 may be on either machine).
-        if info is None or info.local_rank == 0:
+        if (info.local_rank if info is not None else _launched_local_rank()) == 0:
             log.error("error: %s", exc)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt as exc:
@@ -443,6 +456,16 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         gc.unfreeze()  # train() may be called again in this process
         for signum, handler in saved_handlers.items():  # train() may be called again
             signal.signal(signum, handler)
+
+
+def _launched_local_rank() -> int:
+    """The local rank a launcher gave this process (0 without one, or if it cannot be read)."""
+    name = ("LOCAL_RANK" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else
+            "SLURM_LOCALID" if "SLURM_PROCID" in os.environ else None)
+    try:
+        return int(os.environ.get(name, 0)) if name else 0
+    except ValueError:
+        return 0
 
 
 # torch's words for a DataLoader worker that died (its SIGCHLD handler raises them in the rank).
@@ -662,6 +685,7 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
     what did not (rank 0). A head trained on other class names starts new, as for another
     class count: kept, it would map the old class i to the new class i."""
     source = load_file(args.weights)
+    _check_weights_model(args, source)  # another model's weights would fit only here and there
     trained_on = _weights_classes(args.weights, source)
     if args.eval_only and _is_checkpoint(source):
         # The checks --resume makes: another model, other classes (which would score every
@@ -670,8 +694,6 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                           val_split=val_split)
     elif args.eval_only:  # bare weights: their run's files, where found, say what they are
         _check_bare_weights(args, trained_on, classes, warn=info.is_main)
-    else:  # fine-tuning: another model's weights would fit only here and there
-        _check_weights_model(args, source)
     new_head = trained_on not in (None, classes) and not args.eval_only
     if trained_on == classes and not args.eval_only and info.is_main:
         _warn_if_split_differs(source, args)
@@ -719,9 +741,8 @@ def _check_weights_model(args: argparse.Namespace, source: Any) -> None:
 
 def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
                         classes: list[str], *, warn: bool) -> None:
-    """Eval-only of bare weights: refuse another model or other classes, as named by the
-    args.json and class_indices.json of their run; say when there is nothing to check by."""
-    _check_weights_model(args, {})
+    """Eval-only of bare weights: refuse other classes, as named by the class_indices.json of
+    their run; say when there is nothing to check by. (Their model: _check_weights_model.)"""
     if trained_on is None and warn:
         log.warning("no class_indices.json beside %s (or one folder up): its class names cannot "
                     "be checked against the data's; if they differ, the accuracy is meaningless.",
