@@ -20,6 +20,7 @@
    (workers decoding the JPEGs of stage 1), beside that loader alone and stage 2's compute
    alone, so the table says which of the two limits training. On a GPU this is the figure to
    hold against the target (ResNet34, 224 px, bf16, channels-last: 5,000 img/s on an H200).
+   Timed in steady state, as in a long epoch: not the loader's start-up that every epoch pays.
 
     python benchmark.py                     # CPU: ResNet34 at 64 px, 1 and 2 processes
     python benchmark.py --device cuda       # every visible GPU: NCCL, AMP, channels-last
@@ -431,8 +432,8 @@ def bench_loop(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
 # ---------------------------------------------------------------- 5. training with data
 def _data_loader(paths: Sequence[str], args: argparse.Namespace, device: torch.device,
-                 workers: int) -> torch.utils.data.DataLoader:
-    """The training script's train loader over the photos, repeated to ``--steps`` full batches.
+                 workers: int, batches: int) -> torch.utils.data.DataLoader:
+    """The training script's train loader over the photos, repeated to ``batches`` full batches.
 
     As ``train_common`` builds it: ``MyDataSet(decoder="tensor")`` with the training transform
     at ``--img-size`` and ``train_common.loader_kwargs``.
@@ -443,13 +444,48 @@ def _data_loader(paths: Sequence[str], args: argparse.Namespace, device: torch.d
     from train_common import loader_kwargs
     from utils import get_transforms
 
-    count = args.steps * args.batch_size
+    count = batches * args.batch_size
     dataset = MyDataSet([paths[i % len(paths)] for i in range(count)],
                         [i % args.num_classes for i in range(count)],
                         get_transforms(args.img_size)["train"], decoder="tensor", seed=args.seed)
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
                       generator=torch.Generator().manual_seed(args.seed),
                       **loader_kwargs(workers, device))
+
+
+class _SteadyWindow:
+    """``loader``, with each pass over it timed from the yield of batch ``skip`` to that of batch
+    ``skip + steps`` (the device synchronised at both), into ``seconds``.
+
+    In between exactly ``steps`` batches are both loaded and consumed: the rate of a long epoch.
+    Timing a whole pass would add the start-up every epoch pays again (each worker decodes a full
+    batch before the first arrives), which over a short pass is much of the time on a GPU. The
+    workers deliver in bursts, one batch each (they start together, and batches go to them in
+    turn), so ``skip`` and ``steps`` must be multiples of the worker count: a window inside one
+    burst would time almost nothing.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, skip: int, steps: int,
+                 device: torch.device) -> None:
+        if len(loader) <= skip + steps:
+            raise ValueError(f"the window ends at batch {skip + steps}: the loader has "
+                             f"{len(loader)} batches")
+        self.loader, self.skip, self.steps, self.device = loader, skip, steps, device
+        self.seconds = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        start, self.seconds = 0.0, float("nan")  # a pass that stops early has no time
+        for i, batch in enumerate(self.loader):
+            if i == self.skip or i == self.skip + self.steps:
+                _sync(self.device)
+                if i == self.skip:
+                    start = time.perf_counter()
+                else:
+                    self.seconds = time.perf_counter() - start
+            yield batch
 
 
 def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Sequence[str],
@@ -461,35 +497,43 @@ def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Seque
     Stage 2's ``train_one_epoch`` on pre-loaded batches is what the model can consume. The
     smaller of the two limits training; ``data_efficiency`` is what reading the data costs.
     On a GPU this is the figure that counts, and the pipeline's nvJPEG rate (stage 1) says what
-    decoding on the GPU instead of in the CPU workers could supply.
+    decoding on the GPU instead of in the CPU workers could supply. Both passes are timed in
+    steady state (:class:`_SteadyWindow`): ``--steps`` batches after ``--warmup-steps``, each
+    rounded up to a multiple of the worker count.
     """
     from train_common import default_workers
 
     workers = default_workers(args.batch_size) if args.workers is None else args.workers
-    images = args.steps * args.batch_size
+    burst = max(1, workers)  # batches that arrive together (see _SteadyWindow)
+    skip = burst * -(-max(1, args.warmup_steps) // burst)
+    steps = burst * -(-args.steps // burst)
+    images = steps * args.batch_size
     with _num_threads(args.threads) if device.type == "cpu" else contextlib.nullcontext():
         torch.manual_seed(args.seed)
         model, optimizer, scaler = _build(args, device)
-        loader = _data_loader(paths, args, device, workers)
+        window = _SteadyWindow(_data_loader(paths, args, device, workers, skip + steps + 1),
+                               skip, steps, device)
 
         def loader_alone() -> None:
-            for batch_images, labels in loader:
+            for batch_images, labels in window:
                 batch_images.to(device, non_blocking=True)
                 labels.to(device, non_blocking=True)
 
         def training() -> None:
-            _quiet_train_one_epoch(model, optimizer, loader, device, args, scaler)
+            _quiet_train_one_epoch(model, optimizer, window, device, args, scaler)
 
         training()  # warm-up: starts the persistent workers; cuDNN picks its kernels
         runs: dict[str, list[float]] = {"loader": [], "training": []}
         passes = {"loader": loader_alone, "training": training}
         for r in range(args.repeats):
             for name in ("loader", "training") if r % 2 == 0 else ("training", "loader"):
-                runs[name].append(_rate(images, passes[name], device))
+                passes[name]()
+                runs[name].append(images / window.seconds)
     loader_rate = statistics.median(runs["loader"])
     with_data = statistics.median(runs["training"])
     return {"model": args.model, "img_size": args.img_size, "batch_size": args.batch_size,
-            "workers": workers, "images_per_pass": images, "files": len(paths),
+            "workers": workers, "timed_images": images, "untimed_batches_first": skip,
+            "files": len(paths),
             "device": str(device), "threads": args.threads,
             "loader_img_per_s": loader_rate, "loader_runs_img_per_s": runs["loader"],
             "with_data_img_per_s": with_data, "with_data_runs_img_per_s": runs["training"],
@@ -806,7 +850,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines += ["",
               f"5. Training with data, img/s (1 process; {d['model']}, {d['img_size']} px, batch "
               f"{d['batch_size']}, {d['workers']} loader worker(s); {d['files']} JPEGs "
-              f"{p['image_width']}x{p['image_height']}; median of {cfg['repeats']})",
+              f"{p['image_width']}x{p['image_height']}; {d['timed_images'] // d['batch_size']} "
+              f"steps after {d['untimed_batches_first']}; median of {cfg['repeats']})",
               row(f"loader alone: decode + augment, copy to {d['device'].split(':')[0]}",
                   f"{d['loader_img_per_s']:.1f}"),
               row("compute alone: stage 2, pre-loaded batches", f"{d['compute_img_per_s']:.1f}"),

@@ -70,13 +70,23 @@ def load_pil_image(path: str) -> Image.Image:
         return img.convert("RGB")
 
 
+def _webp_with_exif(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (21+ bytes) is a WebP that carries EXIF data: the
+    extended format's VP8X chunk has flag 0x08 set (Google's WebP container specification)."""
+    return (len(head) > 20 and head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X"
+            and bool(head[20] & 0x08))
+
+
 def load_image_tensor(path: str) -> torch.Tensor:
     """``uint8 (3, H, W)`` RGB with EXIF orientation; falls back to PIL for what torchvision
     cannot decode (e.g. some TIFF/GIF variants); raises on undecodable files."""
     if decode_image is None:
         return TF.pil_to_tensor(load_pil_image(path))
     try:
-        img = decode_image(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
+        data = read_file(path)
+        if _webp_with_exif(bytes(data[:21].tolist())):  # torchvision orients JPEG and PNG only
+            return TF.pil_to_tensor(load_pil_image(path))
+        img = decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
         if img.ndim == 4:  # an animated GIF: (frames, 3, H, W); PIL also gives the first frame
             img = img[0]
         if img.dtype != torch.uint8:  # 16-bit PNG

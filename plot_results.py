@@ -125,7 +125,11 @@ def default_label(run_dir: str | Path) -> str:
     one_process = _is_number(world_size) and world_size == 1
     if (run_args.get("sync_bn") is True or run_args.get("syncBN") is True) and not one_process:
         parts.append("syncBN")
-    if run_args.get("amp") is True:
+    # --amp's default (None) means on for CUDA; args.json records what it resolved to as
+    # amp_dtype (runs from before that: the flag and the device).
+    amp = run_args.get("amp")
+    if run_args.get("amp_dtype") if "amp_dtype" in run_args else (
+            amp is True or amp is None and str(run_args.get("device", "")).startswith("cuda")):
         parts.append("AMP")
     return f"{name} ({', '.join(parts)})" if parts else name
 

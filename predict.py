@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from torchvision.transforms import v2
 
 from model import MODELS
+from multi_train_utils.checkpoint import CheckpointError, load_file
 from my_dataset import check_image, load_image_tensor, printable_path
 from utils import (IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms,
                    run_args_near, user_path)
@@ -142,10 +143,15 @@ def load_class_names(path: str | Path) -> list[str]:
 
 
 def _strip_wrapper_prefixes(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    for prefix in _WRAPPER_PREFIXES:
-        if state_dict and all(key.startswith(prefix) for key in state_dict):
-            state_dict = {key[len(prefix) :]: value for key, value in state_dict.items()}
-    return dict(state_dict)
+    """``state_dict`` without the prefixes DDP and torch.compile add, in any order and nesting
+    (``torch.compile(DDP(model))`` gives ``_orig_mod.module.``)."""
+    state_dict = dict(state_dict)
+    while state_dict:
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in state_dict)), None)
+        if prefix is None:
+            break
+        state_dict = {key[len(prefix) :]: value for key, value in state_dict.items()}
+    return state_dict
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -181,11 +187,10 @@ def load_checkpoint_with_classes(
             f"Weights file {path} does not exist; pass a checkpoint.pth, model_best.pth or "
             "weights/model-<epoch>.pth written by training."
         )
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types here (UnpicklingError, RuntimeError, EOFError)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"Cannot load weights file {path} ({reason}).") from None
+    try:  # training's loader: CPU, weights_only, and a CRC check torch.load itself skips
+        obj = load_file(path)
+    except CheckpointError as exc:
+        raise UsageError(f"Weights file {exc}") from None
 
     classes = None
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):

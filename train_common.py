@@ -173,7 +173,9 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     optim.add_argument("--lr", type=POSITIVE, default=0.001,
                        help="learning rate for one process; times the world size with --scale-lr")
     optim.add_argument("--scale-lr", action=BoolFlag, default=True,
-                       help="linear scaling: lr x world size (Goyal et al. 2017, arXiv:1706.02677)")
+                       help="linear scaling: lr x world size; a resume that changes the images "
+                            "per optimizer step (processes x batch x accumulation) rescales it to "
+                            "match (Goyal et al. 2017, arXiv:1706.02677)")
     optim.add_argument("--lrf", type=NON_NEGATIVE, default=0.1,
                        help="final lr as a fraction of the initial (cosine schedule)")
     optim.add_argument("--momentum", type=NON_NEGATIVE, default=0.9, help="SGD momentum")
@@ -885,7 +887,7 @@ def _load_checkpoint(path: str, args: argparse.Namespace, classes: list[str], *,
 
 def _plan(args: argparse.Namespace, info: DistInfo, start_epoch: int,
           amp_dtype: torch.dtype | None, channels_last: bool, lr: float) -> str:
-    """E.g. "training resnet34 at 224 px, epochs 0-29: 2 process(es) on cuda with nccl, bf16
+    """E.g. "training resnet34 at 224 px, epochs 0-29: 2 process(es) on cuda with nccl, bfloat16
     autocast, channels-last; batch 32 per process, 64 per optimizer step; lr 0.01 (--lr 0.005 x 2
     processes)"."""
     how = [f"{info.world_size} process(es) on {info.device.type}"
@@ -1014,10 +1016,6 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
         log.warning("resuming keeps the optimizer of %s: %s; to train with the new value(s), "
                     "start over with --resume none or another --output-dir.", path,
                     ", ".join(kept))
-    if saved.get("batch_size", args.batch_size) != args.batch_size and warn and not args.eval_only:
-        log.warning("%s was trained with --batch-size %s; this run uses %d per process, so the "
-                    "global batch changes and the learning rate is kept.", path,
-                    saved["batch_size"], args.batch_size)
     if saved.get("img_size", args.img_size) != args.img_size and warn:
         log.warning("%s was trained at --img-size %s; this run uses %d%s.", path,
                     saved["img_size"], args.img_size,
@@ -1281,7 +1279,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         return ((1 + math.cos(epoch * math.pi / args.epochs)) / 2) * (1 - args.lrf) + args.lrf
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_lambda)
 
-    start_epoch, best_acc, history = 0, 0.0, []
+    start_epoch, best_acc, best_loss, history = 0, 0.0, math.inf, []
     if ckpt is not None:
         if not args.eval_only:
             try:
@@ -1297,30 +1295,30 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             rng = ckpt.get("rng_states") or []
             if len(rng) == info.world_size:
                 restore_rng_state(rng[info.rank], info.device)
-            trained_by = ckpt.get("args", {}).get("world_size", info.world_size)
-            scale_lr = ckpt.get("args", {}).get("scale_lr", args.scale_lr)  # the run's own rule
+            was = ckpt.get("args", {})
+            scale_lr = was.get("scale_lr", args.scale_lr)  # the run's own rule
+            # Processes x batch x accumulated batches: the images of one optimizer step.
+            before = (was.get("world_size", info.world_size),
+                      was.get("batch_size", args.batch_size),
+                      was.get("grad_accum_steps", args.grad_accum_steps))
+            now = (info.world_size, args.batch_size, args.grad_accum_steps)
+            factor = math.prod(now) / math.prod(before) if scale_lr else 1.0
             # The schedule is rebuilt, not loaded: another --epochs lays the cosine out anew,
-            # another world size rescales the lr it starts from.
-            scheduler = _resumed_schedule(optimizer, lr_lambda, ckpt["epoch"] + 1,
-                                          info.world_size / trained_by if scale_lr else 1.0)
+            # another step size rescales the lr it starts from.
+            scheduler = _resumed_schedule(optimizer, lr_lambda, ckpt["epoch"] + 1, factor)
             planned = ckpt.get("args", {}).get("epochs", args.epochs)
             if planned != args.epochs and ckpt["epoch"] + 1 < args.epochs and info.is_main:
                 log.warning("%s was planned for --epochs %d, this run has %d: the cosine "
                             "schedule is laid out anew over %d epochs (lr %.3g at epoch %d).",
                             resume_path, planned, args.epochs, args.epochs,
                             optimizer.param_groups[0]["lr"], ckpt["epoch"] + 1)
-            if trained_by != info.world_size:
-                was_batch = ckpt.get("args", {}).get("batch_size", args.batch_size)
-                if info.is_main:  # the same on every rank: said once
-                    log.warning("%s was trained by %d process(es), this run has %d: the global "
-                                "batch changes from %d to %d, %s; data order and augmentation "
-                                "differ from an uninterrupted run.", resume_path, trained_by,
-                                info.world_size, trained_by * was_batch,
-                                info.world_size * args.batch_size,
-                                "the learning rate is rescaled to match (--scale-lr)"
-                                if scale_lr else "the learning rate is kept (--no-scale-lr)")
+            if before != now and info.is_main:  # the same on every rank: said once
+                log.warning(_step_change(resume_path, before, now, factor, scale_lr))
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
+        # Checkpoints from before best_loss: their best was the first epoch at best_acc.
+        best_loss = ckpt.get("best_loss", next((m["val_loss"] for m in history
+                                                if m["val_acc"] == round(best_acc, 6)), math.inf))
         if args.eval_only:
             best = Path(resume_path).with_name("model_best.pth")
             log.info("evaluating %s: epoch %d%s", resume_path, ckpt["epoch"],
@@ -1349,8 +1347,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                  start_epoch - 1, args.epochs)
         _check_on_rank0(_restore_metrics, out, history, info=info)
         return
-    _check_on_rank0(_write_start_files, out, _jsonable(args, world_size=info.world_size,
-                    backend=info.backend, device=str(device)), history, ckpt is None,
+    resolved = {"world_size": info.world_size, "backend": info.backend, "device": str(device),
+                "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None}
+    _check_on_rank0(_write_start_files, out, _jsonable(args, **resolved), history, ckpt is None,
                     args.weights, info=info)
     writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
                                        classes)
@@ -1387,7 +1386,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         val_acc = result.top1
         epoch_images = len(train_loader) * args.batch_size * info.world_size
         record = {"epoch": epoch, "train_loss": round(train_loss, 6), "val_acc": round(val_acc, 6),
-                  "val_loss": round(result.loss, 6), "val_top5": result.top5,
+                  "val_loss": round(result.loss, 6),
+                  "val_top5": None if result.top5 is None else round(result.top5, 6),
                   "lr": lr_used,  # exact: a schedule can be checked against it
                   "epoch_seconds": round(epoch_seconds, 3),
                   "train_images_per_sec": round(epoch_images / train_seconds, 2)}
@@ -1395,9 +1395,13 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         # The first epoch here is the best so far even at 0 accuracy (model_best.pth always
         # exists), also when resumed into a new folder: best_acc is then this file's, not the
         # other folder's, or a later epoch between the two would never replace it.
+        # A tie in accuracy, usual on a small val set, goes to the lower val loss: else the
+        # least trained of the tied epochs would stay the best.
         no_best_yet = not (out / "model_best.pth").is_file()
-        is_best = no_best_yet or val_acc > best_acc
-        best_acc = val_acc if no_best_yet else max(best_acc, val_acc)
+        is_best = no_best_yet or val_acc > best_acc or (val_acc == best_acc
+                                                        and result.loss < best_loss)
+        if is_best:
+            best_acc, best_loss = val_acc, result.loss
         rng_states = all_gather_object(capture_rng_state(info.device))
         epoch_state = None
         if info.is_main:
@@ -1407,6 +1411,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 "model": to_cpu(model_without_ddp.state_dict()),
                 "optimizer": to_cpu(optimizer.state_dict()),
                 "lr_scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc,
+                "best_loss": best_loss,
                 "args": _jsonable(args, num_classes=num_classes, world_size=info.world_size),
                 "classes": classes, "metrics": history, "rng_states": rng_states,
                 "val_split": val_split}
@@ -1497,12 +1502,37 @@ def _split_digest(root: str | os.PathLike, paths: Sequence[str]) -> str:
     return SPLIT_SCHEME + digest
 
 
+def _step_change(path: str, before: tuple[int, int, int], now: tuple[int, int, int],
+                 factor: float, scale_lr: bool) -> str:
+    """The resume warning for another process count, --batch-size or --grad-accum-steps
+    (``before``/``now``: processes, batch, accumulation), and what it does to the lr."""
+    def per_step(procs: int, batch: int, accum: int) -> str:
+        return (f"{procs} process(es) x batch {batch}" + (f" x {accum} accumulated" if accum > 1
+                                                          else "")
+                + f" = {procs * batch * accum} images per optimizer step")
+
+    if not scale_lr:
+        lr = "the learning rate is kept (--no-scale-lr)"
+    elif factor == 1:
+        lr = "the learning rate is kept: the images per optimizer step are unchanged (--scale-lr)"
+    else:
+        lr = (f"the learning rate is scaled by {factor:.4g} to match (--scale-lr: linear scaling "
+              "with the images per step)")
+    # The shuffle and each image's augmentation depend on (seed, epoch, index) alone, and the
+    # sampler deals one permutation out: only another step size regroups the images.
+    order = ("; other images share an optimizer step than in an uninterrupted run"
+             if math.prod(before) != math.prod(now) else "")
+    return (f"{path} was trained with {per_step(*before)}, this run has {per_step(*now)}: "
+            f"{lr}{order}.")
+
+
 def _resumed_schedule(optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int], float],
                       start_epoch: int, factor: float) -> torch.optim.lr_scheduler.LambdaLR:
     """The schedule at ``start_epoch``, its lr multiplied by ``factor``.
 
     The checkpoint's optimizer groups hold the ``initial_lr`` its schedule started from; the
-    linear scaling rule (arXiv:1706.02677) multiplies it by the change in world size.
+    linear scaling rule (arXiv:1706.02677) multiplies it by the change in images per optimizer
+    step (processes x batch x accumulated batches), so each image weighs as much as before.
     ``last_epoch=start_epoch - 1`` makes the scheduler set the lr of ``start_epoch`` itself.
     """
     for group in optimizer.param_groups:

@@ -115,6 +115,8 @@ def load_file(path: str | os.PathLike) -> Any:
                                   "was saved (disk, copy or transfer error).")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:  # there, but unreadable: permissions, a failing disk or network mount
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}).") from None
     except Exception as exc:  # pickle errors, truncated zip, unsafe globals, ...
         if not is_zip:  # torch's own message would suggest weights_only=False: never for this
             raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (not a complete "

@@ -377,9 +377,13 @@ def test_validation_resize_caps_the_long_side_of_a_strip():
     val = get_transforms(32)["val"]
     strip = torch.zeros(3, 2, 20000, dtype=torch.uint8)  # 256 x 2.5M pixels without the cap
     assert val(strip).shape == (3, 32, 32)
-    wide = torch.randint(0, 256, (3, 60, 300), dtype=torch.uint8)  # 5:1: cut to 2:1 first
-    plain = v2.Compose([v2.Resize(36, antialias=True), v2.CenterCrop(32)])
-    assert (val(wide).int() - plain(wide).int()).abs().max() <= 1  # the same crop, to rounding
+    # Up to 8:1 (any photo, panoramas too) it is exactly ImageNet's val crop.
+    for size, shape in [(32, (60, 300)), (224, (375, 1000)), (224, (1000, 375)), (32, (400, 50))]:
+        image = torch.randint(0, 256, (3, *shape), dtype=torch.uint8)
+        plain = v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
+        got = get_transforms(size)["val"](image)
+        assert got.shape == (3, size, size)
+        assert torch.equal(got, plain(image)), shape
 
 
 def test_without_torchvision_image_decoding_pil_decodes(tmp_path, monkeypatch):
@@ -583,14 +587,15 @@ def test_unreadable_at_load_time_goes_to_skip_log_once(tmp_path, persistent):
                for line in lines[1:])
 
 
-def _exif_jpeg(path: Path, orientation: int) -> Path:
+def _exif_image(path: Path, orientation: int) -> Path:
     # 48 wide x 24 high, four flat colour blocks, so a rotation is visible in shape and pixels.
     pixels = np.zeros((24, 48, 3), np.uint8)
     pixels[:12, :24], pixels[:12, 24:] = (255, 0, 0), (0, 255, 0)
     pixels[12:, :24], pixels[12:, 24:] = (0, 0, 255), (255, 255, 0)
     exif = Image.Exif()
     exif[0x0112] = orientation
-    Image.fromarray(pixels).save(path, quality=95, exif=exif)
+    lossless = {".jpg": {"quality": 95}, ".webp": {"lossless": True}}.get(path.suffix, {})
+    Image.fromarray(pixels).save(path, exif=exif, **lossless)
     return path
 
 
@@ -645,17 +650,22 @@ def _write_mode(kind: str, path_base: Path) -> tuple[Path, np.ndarray, float]:
                                         append_images=[Image.fromarray(f) for f in frames[1:]])
         assert Image.open(path).n_frames == 3
         return path, frames[0], 0
-    orientation = int(kind.removeprefix("exif"))
-    path = _exif_jpeg(path_base.with_suffix(".jpg"), orientation)
+    # "exif6" is a JPEG; "png-exif6"/"webp-exif6" (torchvision.io orients only JPEG and PNG)
+    suffix, _, orientation = kind.rpartition("exif")
+    orientation = int(orientation)
+    path = _exif_image(path_base.with_suffix("." + (suffix.rstrip("-") or "jpg")), orientation)
     with Image.open(path) as img:
         assert img.size == (48, 24) and img.getexif()[0x0112] == orientation
         expected = np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
-    assert expected.shape == (48, 24, 3)  # rotated: now 48 high, 24 wide
-    return path, expected, 3
+        stored = np.asarray(img.convert("RGB"))
+    # 5-8 turn it (now 48 high, 24 wide); 2-4 mirror or flip it in place
+    assert expected.shape == ((48, 24, 3) if orientation >= 5 else (24, 48, 3))
+    assert expected.shape != stored.shape or not np.array_equal(expected, stored)
+    return path, expected, 3 if path.suffix == ".jpg" else 0
 
 
 @pytest.mark.parametrize("kind", ["L", "P", "RGBA", "CMYK", "I;16", "F", "I", "exif6", "exif8",
-                                  "animated-gif"])
+                                  "png-exif6", "webp-exif6", "webp-exif2", "animated-gif"])
 def test_awkward_modes_decode_to_uint8_rgb(tmp_path, kind):
     path, expected, tol = _write_mode(kind, tmp_path / "img")
     tensor = load_image_tensor(str(path))

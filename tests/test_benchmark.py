@@ -12,9 +12,11 @@ import re
 import statistics
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run
 from PIL import Image
 
@@ -124,7 +126,12 @@ def test_json_holds_every_figure(bench):
     for key in ("loader_img_per_s", "with_data_img_per_s", "compute_img_per_s", "data_efficiency"):
         assert _positive(data[key]), (key, data[key])
     assert data["workers"] == default_workers(2)  # the training script's, for batch 2
-    assert (data["images_per_pass"], data["files"], data["img_size"]) == (2 * 2, 4, 32)
+    # Steady state: --steps batches after --warmup-steps, each rounded up to whole rounds of
+    # the workers (they deliver one batch each, together).
+    burst = max(1, data["workers"])
+    assert data["timed_images"] == 2 * burst * math.ceil(2 / burst)
+    assert data["untimed_batches_first"] == burst * math.ceil(1 / burst)
+    assert (data["files"], data["img_size"]) == (4, 32)
     assert len(data["loader_runs_img_per_s"]) == len(data["with_data_runs_img_per_s"]) == 2
     assert data["with_data_img_per_s"] == pytest.approx(
         statistics.median(data["with_data_runs_img_per_s"]))
@@ -178,6 +185,25 @@ def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "benchmark.json").exists()
+
+
+def test_steady_window_times_the_middle_batches_not_the_start_up():
+    from benchmark import _SteadyWindow
+
+    class SlowStart:  # like a loader: its first batch waits for a worker to decode a full batch
+        def __len__(self) -> int:
+            return 6
+
+        def __iter__(self):
+            for i in range(6):
+                time.sleep(0.5 if i == 0 else 0.02)
+                yield i
+
+    window = _SteadyWindow(SlowStart(), skip=2, steps=3, device=torch.device("cpu"))
+    assert len(window) == 6 and list(window) == list(range(6))  # every batch passes through
+    assert 3 * 0.02 <= window.seconds < 0.4  # batches 3, 4 and 5 arrive inside the window
+    with pytest.raises(ValueError, match="the window ends at batch 6: the loader has 6 batches"):
+        _SteadyWindow(SlowStart(), skip=3, steps=3, device=torch.device("cpu"))
 
 
 def test_photos_are_cached_and_photo_like(tmp_path):

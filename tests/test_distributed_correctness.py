@@ -721,6 +721,35 @@ def test_soft_and_int32_labels_train_as_their_cross_entropy():
         assert got == pytest.approx(want, rel=1e-5), targets.dtype
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+def test_clip_grad_norm_clips_the_true_mean_gradient_also_under_a_grad_scaler(fp16):
+    """--clip-grad-norm with --grad-accum-steps 2, and with fp16 autocast and a GradScaler (GPUs
+    without bf16): the clip must see the unscaled mean gradient, else it clips gradients 65536x
+    too large and the step shrinks by that factor."""
+    model = tiny_net(4, bn=False, seed=2)
+    gen = torch.Generator().manual_seed(5)
+    images = torch.randn(8, 3, 6, 6, generator=gen)
+    labels = torch.randint(0, 4, (8,), generator=gen)
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(images), labels).backward()  # the mean gradient of all 8, fp32
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    clip = norm.item() / 10  # the clip bites
+    want = [-p.grad * clip / norm for p in reference.parameters()]  # SGD, lr 1
+
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if fp16 else None
+    train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                    DataLoader(TensorDataset(images, labels), batch_size=4), CPU, 0,
+                    scaler=scaler, amp_dtype=torch.float16 if fp16 else None, grad_accum_steps=2,
+                    clip_grad_norm=clip)
+
+    got = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    want = torch.cat([w.flatten() for w in want])
+    assert (got - want).norm() / want.norm() < (0.02 if fp16 else 1e-5)
+    if fp16:
+        assert scaler.get_scale() == 2.0**16  # finite gradients: the step was taken, not skipped
+
+
 def test_batches_evaluate_cannot_use_are_one_sentence():
     model = tiny_net(4, bn=False)
     images, labels = torch.randn(6, 3, 6, 6), torch.randint(0, 4, (6,))

@@ -25,7 +25,9 @@ def check_run_dir(out: Path, epochs: int, world_size: int) -> None:
         assert set(r) >= {"epoch", "train_loss", "val_acc", "lr", "epoch_seconds",
                           "train_images_per_sec"}
         assert 0.0 <= r["val_acc"] <= 1.0 and r["train_loss"] > 0 and r["epoch_seconds"] > 0
-    assert json.loads((out / "args.json").read_text())["world_size"] == world_size
+    recorded = json.loads((out / "args.json").read_text())
+    assert recorded["world_size"] == world_size
+    assert recorded["amp_dtype"] == ("bfloat16" if recorded["amp"] else None)
     classes = json.loads((out / "class_indices.json").read_text())
     assert classes == {"0": "daisy", "1": "dandelion", "2": "roses", "3": "sunflowers",
                        "4": "tulips"}
@@ -123,13 +125,16 @@ def _must_not_start(*args, **kwargs):
 def test_plain_python_single_process(tiny_data, tmp_path):
     out = tmp_path / "run"
     res = run([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(tiny_data),
-               *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out), "--comm-hook", "bf16"])
+               *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out), "--comm-hook", "bf16",
+               "--amp"])
     assert res.returncode == 0, res.stderr[-3000:]
     check_run_dir(out, epochs=1, world_size=1)
     # A flag that cannot act here says so instead of being silently ignored.
     assert "--comm-hook bf16 does nothing in a single process" in res.stderr
-    assert ("training resnet18 at 32 px, epochs 0-0: 1 process(es) on cpu; batch 4 per process; "
-            "lr 0.001\n") in res.stderr
+    assert ("training resnet18 at 32 px, epochs 0-0: 1 process(es) on cpu, bfloat16 autocast; "
+            "batch 4 per process; lr 0.001\n") in res.stderr
+    # args.json records what --amp (default: on for CUDA only) became, for plot_results' labels
+    assert json.loads((out / "args.json").read_text())["amp_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -239,6 +239,11 @@ def test_missing_glyph_warnings_are_silenced_only_while_plotting(runs: tuple[Pat
     ({"model": "resnet18", "world_size": 2, "sync_bn": True, "amp": True},
      "r (resnet18, 2 procs, syncBN, AMP)"),
     ({"model": "resnet18", "world_size": 1, "sync_bn": True}, "r (resnet18, 1 proc)"),
+    # --amp's default is on for CUDA: args.json records what it became, older runs the device
+    ({"world_size": 4, "amp": None, "device": "cuda:0", "amp_dtype": "bfloat16"}, "r (4 procs, AMP)"),
+    ({"world_size": 4, "amp": False, "device": "cuda:0", "amp_dtype": None}, "r (4 procs)"),
+    ({"world_size": 4, "amp": None, "device": "cuda:0"}, "r (4 procs, AMP)"),
+    ({"world_size": 2, "amp": None, "device": "cpu"}, "r (2 procs)"),
 ])
 def test_default_label_names_only_what_took_effect(run_args, label, tmp_path: Path) -> None:
     # --syncBN is on by default, but one process has no one to synchronise with.

@@ -191,13 +191,15 @@ def test_missing_file_exits_2_with_message(
 
 def test_load_checkpoint_accepts_full_and_bare_and_strips_module_prefix(run: dict, tmp_path: Path) -> None:
     reference = run["model"].state_dict()
-    wrapped = tmp_path / "ddp.pth"
-    torch.save({f"module.{k}": v for k, v in reference.items()}, wrapped)
+    wrapped = {}  # DDP, torch.compile(DDP(model)) and DDP(torch.compile(model)) state dicts
+    for prefix in ("module.", "_orig_mod.module.", "module._orig_mod."):
+        wrapped[prefix] = tmp_path / f"{prefix.replace('.', '-')}pth"
+        torch.save({f"{prefix}{k}": v for k, v in reference.items()}, wrapped[prefix])
 
     for path, expected_args, expected_classes in [
         (run["dir"] / "checkpoint.pth", {"model": "resnet18", "num_classes": 3, "img_size": IMG_SIZE}, CLASSES),
         (run["dir"] / "weights" / "model-2.pth", {}, None),
-        (wrapped, {}, None),
+        *[(path, {}, None) for path in wrapped.values()],
     ]:
         state_dict, train_args = predict.load_checkpoint(path)
         assert train_args == expected_args
@@ -327,6 +329,29 @@ def test_weights_directory_exits_2_and_names_the_file_inside(
     (message,) = _errors(caplog)
     assert "is a directory" in message and "does not exist" not in message
     assert f"--weights {out / ('model_best.pth' if best else 'checkpoint.pth')}" in message
+
+
+def test_damaged_or_foreign_weights_exit_2_with_one_line(
+    run: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Zeroed bytes inside a tensor: torch.load alone would predict with silently wrong weights.
+    damaged = tmp_path / "damaged.pth"
+    data = bytearray((run["dir"] / "checkpoint.pth").read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 1000] = bytes(1000)
+    damaged.write_bytes(data)
+    torch.load(damaged, map_location="cpu", weights_only=True)  # what torch alone does: no error
+    foreign = tmp_path / "notes.pth"
+    foreign.write_text("not a checkpoint\n")
+
+    for path, words in [(damaged, r"is corrupt \(.* fails its CRC check\)"),
+                        (foreign, "is not a readable PyTorch checkpoint")]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            code = _main("--weights", path, run["images"][0])
+
+        assert code == 2
+        (message,) = _errors(caplog)
+        assert re.search(f"Weights file {re.escape(str(path))} {words}", message), message
 
 
 def test_bare_weights_use_the_runs_args_json_unless_flags_say_otherwise(

@@ -244,10 +244,12 @@ def test_checkpoint_holds_everything_needed_to_resume(run_a):
     assert ckpt["metrics"] == lines
     assert ckpt["best_acc"] == pytest.approx(max(m["val_acc"] for m in lines))
 
-    # model_best.pth is the first epoch that reached best_acc; per-epoch bare weights all kept.
+    # model_best.pth: of the epochs that reached best_acc, the one with the lowest val loss (the
+    # first of equals); per-epoch bare weights all kept.
     best = load_ckpt(run_a / "model_best.pth")
-    assert best["epoch"] == next(m["epoch"] for m in lines if m["val_acc"] == max(
-        x["val_acc"] for x in lines))
+    top = [m for m in lines if m["val_acc"] == max(x["val_acc"] for x in lines)]
+    assert best["epoch"] == min(top, key=lambda m: m["val_loss"])["epoch"]
+    assert best["best_loss"] == pytest.approx(min(m["val_loss"] for m in top), abs=1e-6)
     weights = sorted(p.name for p in (run_a / "weights").iterdir())
     assert weights == [f"model-{e}.pth" for e in range(EPOCHS)]
     last = load_ckpt(run_a / "weights" / f"model-{EPOCHS - 1}.pth")
@@ -333,6 +335,21 @@ def test_unwrap_removes_wrappers_not_a_models_own_module():
     assert unwrap(holder) is holder  # its state dict keeps the "module." keys it owns
     assert unwrap(nn.DataParallel(holder)) is holder
     assert unwrap(torch.compile(holder)) is holder
+
+
+def test_a_checkpoint_that_cannot_be_read_says_why(tmp_path, monkeypatch):
+    """Not "not a complete zip archive": zipfile.is_zipfile hides the OSError, torch.load not."""
+    path = tmp_path / "checkpoint.pth"
+    save_atomic({"epoch": 0}, path)
+
+    def unreadable(*args, **kwargs):  # what a permission problem or a failing disk gives
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr("zipfile.is_zipfile", lambda _: False)  # it swallows the same OSError
+    monkeypatch.setattr(torch, "load", unreadable)
+    with pytest.raises(CheckpointError) as info:
+        load_file(path)
+    assert str(info.value) == f"{path} cannot be read (Input/output error)."
 
 
 def test_damaged_bytes_and_foreign_files_are_clear_errors(tmp_path):
@@ -940,6 +957,41 @@ def test_output_folder_moved_during_the_run_says_where_to_continue(tmp_path, tin
     assert [m["epoch"] for m in read_metrics(moved)] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("older_checkpoint", [False, True])
+def test_model_best_goes_to_the_lower_val_loss_when_accuracies_tie(tmp_path, tiny_data,
+                                                                  train_here, monkeypatch,
+                                                                  older_checkpoint):
+    import train_common
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    real_evaluate = train_common.evaluate
+    # val acc and loss per epoch: 0.5 twice (the second with a lower loss), then 0.5 with a
+    # higher loss, then resumed: 0.5 with a higher loss than the best's (and the first's).
+    scores = iter([(2, 0.9), (2, 0.4), (2, 0.6), (2, 0.95)])
+
+    def evaluate(*args, **kwargs):
+        real = real_evaluate(*args, **kwargs)
+        correct, loss = next(scores)
+        return EvalResult(correct, top5_correct=4, num_samples=4, loss_sum=loss * 4,
+                          confusion=real.confusion)
+
+    monkeypatch.setattr(train_common, "evaluate", evaluate)
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "3"))
+    assert code == 0, err[-3000:]
+    best = load_ckpt(out / "model_best.pth")
+    assert (best["epoch"], best["best_acc"], best["best_loss"]) == (1, 0.5, pytest.approx(0.4))
+    if older_checkpoint:  # saved before best_loss: its best was the first at best_acc (0.9)
+        ckpt = load_ckpt(out / "checkpoint.pth")
+        del ckpt["best_loss"]
+        save_atomic(ckpt, out / "checkpoint.pth")
+    code, err = train_here(flags(tiny_data, out, "--epochs", "4"))  # best_loss comes back
+    assert code == 0, err[-3000:]
+    assert load_ckpt(out / "model_best.pth")["epoch"] == 1
+    assert [(m["val_acc"], m["val_loss"]) for m in read_metrics(out)] == [
+        (0.5, 0.9), (0.5, 0.4), (0.5, 0.6), (0.5, 0.95)]
+
+
 @pytest.mark.parametrize("where", ["train-loss", "val-loss"])
 def test_diverged_run_is_one_line_and_no_diverged_epoch_is_saved(where, tmp_path, tiny_data,
                                                                  train_here, monkeypatch):
@@ -980,13 +1032,15 @@ def test_resume_warns_that_the_optimizer_keeps_its_lr(run_a, tmp_path, tiny_data
     assert (f"resuming keeps the optimizer of {out / 'checkpoint.pth'}: --lr {saved['lr']} "
             "(not 0.5), --scale-lr (not --no-scale-lr); to train with the new value(s), start "
             "over with --resume none") in err
-    # Kept means kept: trained by 2 processes with --scale-lr, continued by 1, the lr follows
-    # the run's own rule (halved), not the --no-scale-lr of this command.
+    # Kept means kept: trained by 2 processes x 4 with --scale-lr (lr x 2), continued by 1 x 8,
+    # the lr follows the run's own rule, not the --no-scale-lr of this command: the same 8
+    # images per optimizer step, so the same lr (linear scaling with the images per step).
     cosine = (1 + math.cos(EPOCHS * math.pi / (EPOCHS + 1))) / 2 * (1 - saved["lrf"]) + saved["lrf"]
-    assert read_metrics(out)[-1]["lr"] == pytest.approx(saved["lr"] * cosine, rel=1e-9)
-    assert "the learning rate is rescaled to match (--scale-lr)" in err
-    assert (f"{out / 'checkpoint.pth'} was trained with --batch-size 4; this run uses 8 per "
-            "process, so the global batch changes and the learning rate is kept.") in err
+    assert read_metrics(out)[-1]["lr"] == pytest.approx(saved["lr"] * 2 * cosine, rel=1e-9)
+    assert (f"{out / 'checkpoint.pth'} was trained with 2 process(es) x batch 4 = 8 images per "
+            "optimizer step, this run has 1 process(es) x batch 8 = 8 images per optimizer step: "
+            "the learning rate is kept: the images per optimizer step are unchanged "
+            "(--scale-lr).\n") in err
     assert "--momentum" not in err.split("resuming keeps")[1].splitlines()[0]
 
 
@@ -1249,8 +1303,10 @@ def test_model_best_exists_even_when_accuracy_stays_zero(tmp_path, tiny_data, tr
     out = tmp_path / "out"
     code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
     assert code == 0, err[-3000:]
-    assert [m["val_acc"] for m in read_metrics(out)] == [0.0, 0.0]
-    assert load_ckpt(out / "model_best.pth")["epoch"] == 0  # the first of equals
+    metrics = read_metrics(out)
+    assert [m["val_acc"] for m in metrics] == [0.0, 0.0]
+    lowest = min(metrics, key=lambda m: m["val_loss"])["epoch"]  # the first of equals
+    assert load_ckpt(out / "model_best.pth")["epoch"] == lowest  # a tie: the lower val loss
 
 
 def test_resumed_into_a_new_folder_its_best_model_holds_its_own_accuracy(run_a, tmp_path,
@@ -1749,7 +1805,9 @@ def test_missing_tensorboard_is_one_line_before_the_data_is_read(tmp_path, tiny_
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
 
 
-def test_resume_on_another_world_size_rescales_the_lr(run_a, tmp_path, tiny_data, train_here):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_on_another_world_size_rescales_the_lr(run_a, tmp_path, tiny_data, train_here,
+                                                      accum):
     out = tmp_path / "out"
     shutil.copytree(run_a, out)
     stale = [out / ".checkpoint.pth.k1ll3d.tmp", out / "weights" / ".model-3.pth.k1ll3d.tmp",
@@ -1757,19 +1815,27 @@ def test_resume_on_another_world_size_rescales_the_lr(run_a, tmp_path, tiny_data
     for path in stale:  # left by saves a kill -9 interrupted
         path.write_bytes(b"partial")
     epochs = EPOCHS + 1
-    code, err = train_here(flags(tiny_data, out, "--epochs", str(epochs)))  # 1 process, was 2
+    code, err = train_here(flags(tiny_data, out, "--epochs", str(epochs),  # 1 process, was 2
+                                 "--grad-accum-steps", str(accum)))
     assert code == 0, err[-3000:]
-    assert "was trained by 2 process(es), this run has 1" in err
+    now = ("1 process(es) x batch 4 = 4 images per optimizer step: the learning rate is scaled "
+           "by 0.5 to match (--scale-lr: linear scaling with the images per step); other images "
+           "share an optimizer step than in an uninterrupted run." if accum == 1
+           else "1 process(es) x batch 4 x 2 accumulated = 8 images per optimizer step: the "
+           "learning rate is kept: the images per optimizer step are unchanged (--scale-lr).")
+    assert (f"{out / 'checkpoint.pth'} was trained with 2 process(es) x batch 4 = 8 images per "
+            f"optimizer step, this run has {now}\n") in err
     assert not any(path.exists() for path in stale)
 
     saved = load_ckpt(run_a / "checkpoint.pth")["args"]
     lam = lambda e: (1 + math.cos(e * math.pi / epochs)) / 2 * (1 - saved["lrf"]) + saved["lrf"]  # noqa: E731
     metrics = read_metrics(out)
     assert [m["epoch"] for m in metrics] == list(range(epochs))
-    # Linear scaling: 1 process trains at half the 2-process learning rate, on the new schedule.
-    assert metrics[-1]["lr"] == pytest.approx(saved["lr"] * 1 * lam(EPOCHS), rel=1e-9)
+    # Linear scaling with the images per optimizer step: 1 process trains at half the 2-process
+    # learning rate, on the new schedule, unless it accumulates 2 batches per step.
+    assert metrics[-1]["lr"] == pytest.approx(saved["lr"] * accum * lam(EPOCHS), rel=1e-9)
     ckpt = out / "checkpoint.pth"
-    assert load_ckpt(ckpt)["lr_scheduler"]["base_lrs"] == [pytest.approx(saved["lr"])]
+    assert load_ckpt(ckpt)["lr_scheduler"]["base_lrs"] == [pytest.approx(saved["lr"] * accum)]
     umask = os.umask(0)
     os.umask(umask)
     assert ckpt.stat().st_mode & 0o777 == 0o666 & ~umask  # readable by the team, as open() makes
