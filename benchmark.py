@@ -1008,6 +1008,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def _path_flag(text: str) -> str:
+    from utils import path_flag  # torchvision: imported when parsing, not by every rank
+
+    return path_flag(text)
+
+
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Benchmark the input pipeline, training loop, DDP scaling and memory.",
@@ -1024,7 +1030,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="JPEGs decoded per pipeline pass")
     parser.add_argument("--pipeline-size", type=int, default=224,
                         help="crop of the pipeline comparison (the template's 224)")
-    parser.add_argument("--image-dir", default=None,
+    parser.add_argument("--image-dir", default=None, type=_path_flag,
                         help="where the test JPEGs are generated and cached "
                              "(default: ddp-template/bench_photos_v1 in $XDG_CACHE_HOME or ~/.cache)")
     parser.add_argument("--gpu-decode", action=argparse.BooleanOptionalAction, default=None,
@@ -1064,7 +1070,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                              "comm hooks, and time the all-reduce alone")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the generated photos and the synthetic batches")
-    parser.add_argument("--output-dir", default="benchmark_results",
+    parser.add_argument("--output-dir", default="benchmark_results", type=_path_flag,
                         help="benchmark.json and benchmark.png go here")
     return parser
 

@@ -33,6 +33,14 @@ ARGS_FILE = "args.json"
 REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
 
 
+def _path(text: str) -> Path:
+    """``type=`` of a path argument: an empty one (an unset shell variable) is refused, not read
+    as the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
+    return Path(text)
+
+
 class UsageError(Exception):
     """A mistake in the inputs the user gave; the message says what and how to fix it."""
 
@@ -274,13 +282,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "run_dirs",
         nargs="+",
-        type=Path,
+        type=_path,
         metavar="RUN_DIR",
         help=f"training --output-dir holding {METRICS_FILE} (or that {METRICS_FILE} itself)",
     )
     group = parser.add_argument_group("output")
     group.add_argument(
-        "--out-dir", "--output-dir", dest="out_dir", type=Path, required=True, metavar="DIR", help="folder for the PNG files"
+        "--out-dir", "--output-dir", dest="out_dir", type=_path, required=True, metavar="DIR", help="folder for the PNG files"
     )
     group.add_argument(
         "--labels", nargs="+", default=None, metavar="LABEL", help="legend label per run; default: folder name plus args.json summary"

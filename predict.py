@@ -58,7 +58,7 @@ from model import MODELS
 from multi_train_utils.checkpoint import CheckpointError, load_file
 from my_dataset import check_image, load_image_tensor, printable_path
 from utils import (IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms,
-                   run_args_near, user_path)
+                   path_flag, run_args_near, user_path)
 
 log = logging.getLogger(__name__)
 
@@ -528,7 +528,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def _path(text: str) -> Path:
-    return Path(user_path(text))  # "~/x" arrives unexpanded when quoted or written --weights=~/x
+    return Path(path_flag(text))  # "~/x" arrives unexpanded when quoted or written --weights=~/x
 
 
 def _positive_int(text: str) -> int:
@@ -557,6 +557,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "images",
         nargs="+",
+        type=path_flag,  # "" would be the current folder, searched recursively
         metavar="IMAGE",
         help="image files, folders searched recursively for image files (hidden ones skipped), or quoted glob patterns",
     )

@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -47,9 +48,9 @@ from multi_train_utils.train_eval_utils import (EvalResult, common_amp_dtype, ev
                                                resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet
 from utils import (DataError, FolderScan, default_demo_root, find_run_file, get_transforms,
-                   make_demo_data, missing_glyphs_ignored, plot_class_distribution,
+                   make_demo_data, missing_glyphs_ignored, path_flag, plot_class_distribution,
                    run_args_near, scan_image_folder, short_list, split_key, split_train_val,
-                   user_path, write_json_atomic)
+                   write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -136,10 +137,10 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
         formatter_class=HelpFormatter, add_help=add_help)
 
     data = parser.add_argument_group("data")
-    data.add_argument("--data-path", "--data_path", type=user_path, default=None,
+    data.add_argument("--data-path", "--data_path", type=path_flag, default=None,
                       help="folder with one sub-folder of images per class (e.g. flower_photos); "
                            "default: the generated demo dataset")
-    data.add_argument("--demo-dir", type=user_path, default=None,
+    data.add_argument("--demo-dir", type=path_flag, default=None,
                       help="where the demo dataset is generated and cached "
                            "(default: $DDP_DEMO_DATA or ~/.cache/ddp-template/demo_flowers_v1)")
     data.add_argument("--val-rate", type=FRACTION, default=0.2,
@@ -157,7 +158,7 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
-    model.add_argument("--weights", type=user_path, default=None,
+    model.add_argument("--weights", type=path_flag, default=None,
                        help="initial weights (state dict or checkpoint); tensors whose shape "
                             "does not fit, e.g. a 1000-class head, are skipped and listed")
     model.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
@@ -212,9 +213,9 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
         dist.add_argument("--node-rank", type=COUNT, default=0, help="this machine's index")
 
     run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", type=user_path, default="runs/train",
+    run.add_argument("--output-dir", type=path_flag, default="runs/train",
                      help="checkpoints, weights/, metrics.jsonl, TensorBoard, class_indices.json")
-    run.add_argument("--resume", type=user_path, default="auto",
+    run.add_argument("--resume", type=path_flag, default="auto",
                      help="'auto': continue from <output-dir>/checkpoint.pth if it exists; "
                           "a path; or 'none' to start fresh")
     run.add_argument("--keep-last", type=COUNT, default=0,
@@ -563,7 +564,9 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
         log.info(scan.summary())
 
     num_classes = len(scan.classes)
-    if args.num_classes is not None and args.num_classes != num_classes:
+    # Evaluation may score a folder holding some of the model's classes (checked once known).
+    subset = args.eval_only and args.num_classes is not None and args.num_classes > num_classes
+    if args.num_classes is not None and args.num_classes != num_classes and not subset:
         raise ConfigError(f"--num-classes {args.num_classes} disagrees with the {num_classes} class "
                           f"folders found in {root} ({', '.join(scan.classes)}); drop the flag "
                           "or fix the folders.")
@@ -790,6 +793,24 @@ def _warn_if_split_differs(source: Any, args: argparse.Namespace) -> None:
                     "--val-rate 1.", args.weights)
 
 
+def _score_against_trained_classes(path: str, classes: list[str], val_set: MyDataSet,
+                                   info: DistInfo) -> list[str]:
+    """The classes to score ``val_set`` against: all those ``path`` was trained on when the data
+    holds only some of them (a test set often lacks one), its labels renumbered by class name,
+    so each image keeps its class; the missing classes show "n/a". Anything else (the same
+    classes, new ones, nothing recorded) is ``classes``, for the checks that follow."""
+    trained = _weights_classes(path, load_file(path))
+    if trained is None or trained == classes or not set(classes) <= set(trained):
+        return classes
+    new_label = np.asarray([trained.index(name) for name in classes], dtype=np.int64)
+    val_set.images_class = new_label[val_set.images_class]
+    if info.is_main:
+        log.info("the data holds %d of the %d classes %s was trained on (missing: %s): its "
+                 "images are scored against all %d.", len(classes), len(trained), path,
+                 short_list([c for c in trained if c not in classes], 5), len(trained))
+    return trained
+
+
 def _class_mismatch(path: str, trained_on: list[str], classes: list[str], redo: str) -> str:
     gone = [c for c in trained_on if c not in classes]
     new = [c for c in classes if c not in trained_on]
@@ -806,10 +827,22 @@ def _check_norm_batch(args: argparse.Namespace, info: DistInfo, model: nn.Module
         return
     per_norm = args.batch_size * (info.world_size if args.sync_bn and info.distributed else 1)
     has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if has_norm and per_norm * math.ceil(args.img_size / 32) ** 2 == 1:
+    values = per_norm * math.ceil(args.img_size / 32) ** 2
+    if has_norm and values == 1:
         raise ConfigError(f"--batch-size {args.batch_size} at --img-size {args.img_size}: the last "
                           "BatchNorm layers would see one value per channel, which training "
-                          "cannot normalise; use --batch-size 2 or more, or --img-size above 32.")
+                          "cannot normalise; use --batch-size 4 or more, or --img-size above "
+                          "32.")
+    if has_norm and values < 4 and info.is_main:
+        # Normalised over 2-3 values, training's outputs barely depend on the input, and the
+        # running statistics evaluation uses are far from them: val loss 0 or 1e9 in drills.
+        log.warning("--batch-size %d at --img-size %d: the last BatchNorm layers see only %d "
+                    "values per channel, too few for usable statistics, so validation numbers "
+                    "will be meaningless; use --batch-size %d or more%s, or a larger "
+                    "--img-size.", args.batch_size, args.img_size, values,
+                    math.ceil(4 * args.batch_size / values),
+                    "" if args.sync_bn and info.distributed else
+                    ", --sync-bn with several processes")
 
 
 def _hold_frozen_norms(model: nn.Module) -> None:
@@ -921,8 +954,11 @@ def _is_checkpoint(obj: Any) -> bool:
 
 
 def _nfc(names: list[str] | None) -> list[str] | None:
-    """Class names in NFC, as the scan names them (a macOS copy writes NFD)."""
-    return None if names is None else [unicodedata.normalize("NFC", n) for n in names]
+    """Class names in NFC, as the scan names them (a macOS copy writes NFD); None for anything
+    that is not a list of names (a class_indices.json not written by training)."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return None
+    return [unicodedata.normalize("NFC", n) for n in names]
 
 
 def _redrawn(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -1036,13 +1072,23 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
     their rank until they notice and exit.
     """
     global _RUN_LOCK
+    lock = out / ".lock"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"--output-dir {out} is (under) a file, not a folder; choose a "
-                          "folder.") from None
+        # In a shared folder a link could point the run's pid at someone's file.
+        if os.path.lexists(lock) and not stat.S_ISREG(os.lstat(lock).st_mode):
+            raise ConfigError(f"{lock} is {'a symbolic link' if lock.is_symlink() else 'not a file'}"
+                              ", not the lock file a run writes; remove it.")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as exc:
+        link = next((p for p in (out, *out.parents) if p.is_symlink() and not p.exists()), None)
+        if link is not None:  # e.g. runs -> /scratch/me, and /scratch is not mounted
+            raise ConfigError(f"--output-dir {out}: {link} is a symbolic link to "
+                              f"{os.readlink(link)}, which leads nowhere (missing, not mounted, "
+                              "or a loop); fix the link or choose another folder.") from None
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):
+            raise ConfigError(f"--output-dir {out} is (under) a file, not a folder; choose a "
+                              "folder.") from None
         raise ConfigError(f"cannot write to --output-dir {out}: {exc.strerror}; choose a folder "
                           "you can write to.") from None
     try:
@@ -1190,7 +1236,11 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     _check_same_flags(args, info)
     out = Path(args.output_dir)
     data_root = Path(args.data_path or args.demo_dir or default_demo_root())
-    if not args.eval_only and out.resolve().is_relative_to(data_root.resolve()):
+    try:
+        inside = out.resolve().is_relative_to(data_root.resolve())
+    except (OSError, RuntimeError):  # a symbolic link loop: named by the checks that follow
+        inside = False
+    if not args.eval_only and inside:
         # The next scan would find the run's folder as one more class (its PNGs as images).
         raise ConfigError(f"--output-dir {out} is inside the data folder {data_root}, where its "
                           "files would be read as images of a class; choose an output folder "
@@ -1224,6 +1274,17 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest
     scan, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(args, info, out)
     classes = scan.classes
+    if args.eval_only:  # a test folder may hold only some of the classes the model knows
+        model_path = resume_path or args.weights
+        classes = _score_against_trained_classes(model_path, classes, val_set, info)
+        if args.num_classes is not None and args.num_classes != len(classes):
+            raise ConfigError(
+                f"--num-classes {args.num_classes} disagrees with the {len(classes)} classes "
+                f"{model_path} was trained on (the data holds {len(scan.classes)} of them); "
+                "drop the flag." if classes is not scan.classes else
+                f"--num-classes {args.num_classes} disagrees with the {len(classes)} class "
+                f"folders found in {scan.root} ({', '.join(classes)}); drop the flag or fix the "
+                "folders.")
     num_classes = len(classes)
     val_split = _split_digest(scan.root, val_set.images_path)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -241,6 +242,15 @@ def user_path(text: str) -> str:
     """A path flag with ``~`` expanded: it reaches the script unexpanded when quoted or written
     ``--flag=~/data``."""
     return os.path.expanduser(text)
+
+
+def path_flag(text: str) -> str:
+    """``type=`` of a path flag: :func:`user_path`, refusing an empty value. ``--resume "$CKPT"``
+    with CKPT unset would otherwise mean "start over" and set an earlier run aside, and
+    ``--output-dir ""`` would write the run into the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
+    return user_path(text)
 
 
 def find_run_file(weights: str | os.PathLike, name: str) -> Path | None:

@@ -1178,6 +1178,38 @@ def test_eval_only_val_rate_one_scores_every_image_of_a_test_folder(run_a, tmp_p
         "--eval-only" in err, err[-3000:]
 
 
+@pytest.mark.parametrize("given", ["--resume", "--weights", "bare weights"])
+def test_eval_only_on_a_test_folder_lacking_classes_scores_each_image_as_its_class(
+        run_a, tmp_path, tiny_data, train_here, given):
+    """A test set often lacks a class. Without "daisy" (label 0) every other folder's index
+    shifts by one; scored by name, each class gets exactly its numbers in the full folder."""
+    flag, path = (("--weights", run_a / "weights" / f"model-{EPOCHS - 1}.pth")
+                  if given == "bare weights" else (given, run_a / "checkpoint.pth"))
+
+    def per_class(data: Path) -> tuple[dict[str, str], str]:
+        code, err = train_here(flags(data, tmp_path / "eval", "--eval-only", "--val-rate", "1",
+                                     flag, str(path), "--num_classes", "5"))  # the model's
+        assert code == 0, err[-3000:]
+        lines = err[err.index("accuracy per class:"):].splitlines()
+        return dict(line.strip().split(": ", 1) for line in lines[1:6]), err
+
+    full, _ = per_class(tiny_data)
+    data = tmp_path / "test-set"
+    shutil.copytree(tiny_data, data)
+    shutil.rmtree(data / "daisy")
+    part, err = per_class(data)
+    assert (f"the data holds 4 of the 5 classes {path} was trained on (missing: daisy): its "
+            "images are scored against all 5.") in err
+    assert part == {**full, "daisy": "n/a (no validation images)"}
+    assert "val images: 48\n" in err
+    correct = sum(round(float(v.split()[0]) * 12) for k, v in full.items() if k != "daisy")
+    assert f"top-1 accuracy: {correct / 48:.4f}\n" in err
+    code, err = train_here(flags(data, tmp_path / "eval", "--eval-only", "--val-rate", "1",
+                                 flag, str(path), "--num-classes", "6"))
+    assert code == 2 and (f"error: --num-classes 6 disagrees with the 5 classes {path} was "
+                          "trained on (the data holds 4 of them); drop the flag.") in err, err[-3000:]
+
+
 def test_eval_only_weights_from_a_checkpoint_of_other_classes_is_refused(run_a, tmp_path,
                                                                          tiny_data, train_here):
     """Same number of classes, one renamed: every label shifts, and the tensors still fit, so
@@ -1706,14 +1738,55 @@ def test_the_run_lock_dies_with_the_run_not_with_its_forked_children(tmp_path):
         train_common._release_output_dir()
 
 
+def test_batchnorm_over_two_values_per_channel_warns(tmp_path, tiny_data, train_here):
+    """Batch 2 at 32 px: the last BatchNorm normalises 2 values per channel (drills saw val loss
+    0.0000 and 2.7e9); 4 (the suite's batch 4) is the least that passes without a word."""
+    code, err = train_here(flags(tiny_data, tmp_path / "out", "--epochs", "1", "--batch-size", "2"))
+    assert code == 0, err[-3000:]
+    assert ("--batch-size 2 at --img-size 32: the last BatchNorm layers see only 2 values per "
+            "channel, too few for usable statistics, so validation numbers will be meaningless; "
+            "use --batch-size 4 or more, --sync-bn with several processes, or a larger "
+            "--img-size.") in err
+    code, err = train_here(flags(tiny_data, tmp_path / "four", "--epochs", "1"))
+    assert code == 0 and "too few for usable statistics" not in err, err[-3000:]
+
+
 @pytest.mark.parametrize("case", ["under-a-file", "missing-resume", "resume-folder",
                                   "eval-only-unfit-weights", "weights-is-a-file",
                                   "eval-only-resume-and-weights", "inside-the-data",
                                   "batch-1-at-32px", "missing-weights", "weights-folder",
-                                  "weights-of-another-model"])
+                                  "weights-of-another-model", "lock-is-a-link", "lock-is-a-fifo",
+                                  "lock-is-a-folder", "link-to-nowhere", "link-loop",
+                                  "link-loop-above"])
 def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, train_here):
     out, extra = tmp_path / "out", []
-    if case == "inside-the-data":  # the rerun would find the run's folder as a class
+    if case == "lock-is-a-link":  # in a shared folder: the run would overwrite someone's file
+        victim = tmp_path / "notes.txt"
+        victim.write_text("someone's notes")
+        out.mkdir()
+        (out / ".lock").symlink_to(victim)
+        expect = f"{out / '.lock'} is a symbolic link, not the lock file a run writes; remove it."
+    elif case in ("lock-is-a-fifo", "lock-is-a-folder"):
+        out.mkdir()
+        if case == "lock-is-a-fifo":
+            os.mkfifo(out / ".lock")
+        else:
+            (out / ".lock").mkdir()
+        expect = f"{out / '.lock'} is not a file, not the lock file a run writes; remove it."
+    elif case == "link-to-nowhere":  # runs -> /scratch/me, /scratch not mounted
+        (tmp_path / "runs").symlink_to(tmp_path / "scratch" / "me")
+        out = tmp_path / "runs" / "a"
+        expect = (f"--output-dir {out}: {tmp_path / 'runs'} is a symbolic link to "
+                  f"{tmp_path / 'scratch' / 'me'}, which leads nowhere")
+    elif case == "link-loop":
+        out.symlink_to(out)
+        expect = f"--output-dir {out}: {out} is a symbolic link to {out}, which leads nowhere"
+    elif case == "link-loop-above":
+        (tmp_path / "loop").symlink_to(tmp_path / "loop")
+        out = tmp_path / "loop" / "a"
+        expect = (f"--output-dir {out}: {tmp_path / 'loop'} is a symbolic link to "
+                  f"{tmp_path / 'loop'}, which leads nowhere")
+    elif case == "inside-the-data":  # the rerun would find the run's folder as a class
         tiny_data = shutil.copytree(tiny_data, tmp_path / "data")
         out, expect = tiny_data / "run", f"--output-dir {tiny_data / 'run'} is inside the data"
     elif case == "batch-1-at-32px":  # would fail in the first step's BatchNorm, as a traceback
@@ -1754,6 +1827,33 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
     assert "Traceback" not in err
     if case in ("missing-weights", "weights-folder"):
         assert " images in " not in err, err[-3000:]  # before the scan's summary
+    if case == "lock-is-a-link":
+        assert victim.read_text() == "someone's notes"
+
+
+@pytest.mark.parametrize("script, argv, name", [
+    ("train", ["--resume", ""], "--resume"), ("train", ["--output-dir", ""], "--output-dir"),
+    ("train", ["--data-path", ""], "--data-path/--data_path"),
+    ("train", ["--weights", ""], "--weights"), ("train", ["--demo-dir", ""], "--demo-dir"),
+    ("predict", ["--weights", "w.pth", ""], "IMAGE"), ("predict", ["--weights", "", "a.jpg"],
+                                                       "--weights"),
+    ("plot_results", ["", "--out-dir", "plots"], "RUN_DIR"),
+    ("plot_results", ["runs/a", "--out-dir", ""], "--out-dir/--output-dir"),
+    ("benchmark", ["--output-dir", ""], "--output-dir"),
+])
+def test_an_empty_path_is_refused_not_read_as_none(script, argv, name, capsys):
+    """--resume "$CKPT" with CKPT unset would mean --resume none: the earlier run set aside and
+    trained again; --output-dir "" would write the run into the current folder, and predict.py
+    "" would classify everything under it."""
+    import importlib
+
+    module = importlib.import_module("train_common" if script == "train" else script)
+    with pytest.raises(SystemExit) as info:
+        module.get_args_parser().parse_args(argv)
+    assert info.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert line.endswith(f"error: argument {name}: an empty path (an unset shell variable?); "
+                         "give a path"), line
 
 
 @pytest.mark.parametrize("where", ["folder", "run-files", "args"])
