@@ -517,14 +517,14 @@ def _seed_everything(seed: int, rank: int) -> None:
 _waiting_for: str | None = None
 
 
-def _scan_on_rank0(root: str, verify: bool, info: DistInfo) -> FolderScan:
+def _scan_on_rank0(root: str, verify: bool, info: DistInfo, min_classes: int) -> FolderScan:
     """Scan once (rank 0) and hand every rank the same result or the same error."""
     result: Any = None
     if info.is_main:
         # Silent seconds on a big folder look like a hang (about 5 s per 30,000 files here).
         log.info("scanning %s%s", root, " and checking each image's header" if verify else "")
         try:
-            result = scan_image_folder(root, verify=verify)
+            result = scan_image_folder(root, verify=verify, min_classes=min_classes)
         except DataError as exc:
             result = exc
     global _waiting_for
@@ -559,7 +559,8 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
     if root is None:
         root = str(make_demo_data(args.demo_dir or default_demo_root()))
         log.info("no --data-path given: training on the generated demo dataset in %s", root)
-    scan = _scan_on_rank0(root, args.verify_images, info)
+    # One class is enough to score against a model that knows more (checked once it is read).
+    scan = _scan_on_rank0(root, args.verify_images, info, 1 if args.eval_only else 2)
     if info.is_main:
         log.info(scan.summary())
 
@@ -1077,8 +1078,9 @@ def _claim_output_dir(args: argparse.Namespace, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         # In a shared folder a link could point the run's pid at someone's file.
         if os.path.lexists(lock) and not stat.S_ISREG(os.lstat(lock).st_mode):
-            raise ConfigError(f"{lock} is {'a symbolic link' if lock.is_symlink() else 'not a file'}"
-                              ", not the lock file a run writes; remove it.")
+            what = ("a symbolic link" if lock.is_symlink() else
+                    "a folder" if lock.is_dir() else "not a regular file")
+            raise ConfigError(f"{lock} is {what}, not the lock file a run writes; remove it.")
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as exc:
         link = next((p for p in (out, *out.parents) if p.is_symlink() and not p.exists()), None)
@@ -1341,6 +1343,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_lambda)
 
     start_epoch, best_acc, best_loss, history = 0, 0.0, math.inf, []
+    in_effect: dict[str, Any] = {}  # the flags a resume keeps from the checkpoint, as recorded
     if ckpt is not None:
         if not args.eval_only:
             try:
@@ -1357,6 +1360,10 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
             if len(rng) == info.world_size:
                 restore_rng_state(rng[info.rank], info.device)
             was = ckpt.get("args", {})
+            # The optimizer holds these (the lr, by the run's own --scale-lr rule): recorded as
+            # given, they would be taken for the run's own at the next resume.
+            in_effect = {k: was[k] for k in ("lr", "momentum", "weight_decay", "scale_lr")
+                         if k in was}
             scale_lr = was.get("scale_lr", args.scale_lr)  # the run's own rule
             # Processes x batch x accumulated batches: the images of one optimizer step.
             before = (was.get("world_size", info.world_size),
@@ -1373,7 +1380,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                             "schedule is laid out anew over %d epochs (lr %.3g at epoch %d).",
                             resume_path, planned, args.epochs, args.epochs,
                             optimizer.param_groups[0]["lr"], ckpt["epoch"] + 1)
-            if before != now and info.is_main:  # the same on every rank: said once
+            if before != now and ckpt["epoch"] + 1 < args.epochs and info.is_main:  # said once
                 log.warning(_step_change(resume_path, before, now, factor, scale_lr))
         start_epoch, best_acc = ckpt["epoch"] + 1, ckpt.get("best_acc", 0.0)
         history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start_epoch]
@@ -1410,8 +1417,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         return
     resolved = {"world_size": info.world_size, "backend": info.backend, "device": str(device),
                 "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None}
-    _check_on_rank0(_write_start_files, out, _jsonable(args, **resolved), history, ckpt is None,
-                    args.weights, info=info)
+    _check_on_rank0(_write_start_files, out, _jsonable(args, **in_effect, **resolved), history,
+                    ckpt is None, args.weights, info=info)
     writer, step_writer = _tensorboard(args, info, out, start_epoch, len(train_loader), train_set,
                                        classes)
     if info.is_main:  # what the flags and the launcher resolved to, in one line
@@ -1473,7 +1480,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                 "optimizer": to_cpu(optimizer.state_dict()),
                 "lr_scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc,
                 "best_loss": best_loss,
-                "args": _jsonable(args, num_classes=num_classes, world_size=info.world_size),
+                "args": _jsonable(args, **in_effect, num_classes=num_classes,
+                                  world_size=info.world_size),
                 "classes": classes, "metrics": history, "rng_states": rng_states,
                 "val_split": val_split}
             if scaler.is_enabled():

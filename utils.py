@@ -135,7 +135,8 @@ def _is_utf8(name: str) -> bool:
     return True
 
 
-def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> FolderScan:
+def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
+                      min_classes: int = 2) -> FolderScan:
     """Find ``root/<class>/**/<image>``; classes are the sorted sub-folder names.
 
     Hidden files and folders, other extensions, names that are not valid UTF-8, unreadable
@@ -143,7 +144,8 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
     so one image cannot land in both train and val) and (with ``verify``) files that are not
     readable images are skipped and listed; class folders left empty are dropped. Raises
     :class:`DataError` when the root cannot be read, a class folder name is not valid UTF-8, or
-    fewer than two classes with images remain.
+    fewer than ``min_classes`` classes with images remain (a test folder scored against a
+    trained model may hold one).
     """
     if not os.path.isdir(root):
         what = "is not a folder" if os.path.exists(root) else "does not exist"
@@ -231,7 +233,7 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8) -> Fo
     if not classes:
         raise DataError(f"no readable images found under {root} (looked for "
                         f"{', '.join(IMG_EXTENSIONS)} in {len(class_names)} class folders).")
-    if len(classes) < 2:
+    if len(classes) < min_classes:
         raise DataError(f"only one class with images under {root} ({classes[0]}); "
                         f"classification needs at least two class folders with images"
                         f"{parent_hint}")

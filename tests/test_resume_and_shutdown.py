@@ -1194,6 +1194,13 @@ def test_eval_only_on_a_test_folder_lacking_classes_scores_each_image_as_its_cla
         return dict(line.strip().split(": ", 1) for line in lines[1:6]), err
 
     full, _ = per_class(tiny_data)
+    data = tmp_path / "roses-only"  # one class is enough to score (training needs two)
+    (data / "roses").parent.mkdir()
+    shutil.copytree(tiny_data / "roses", data / "roses")
+    part, err = per_class(data)
+    assert part == {name: ("n/a (no validation images)" if name != "roses" else value)
+                    for name, value in full.items()}
+    assert "val images: 12\n" in err
     data = tmp_path / "test-set"
     shutil.copytree(tiny_data, data)
     shutil.rmtree(data / "daisy")
@@ -1772,7 +1779,8 @@ def test_unusable_paths_are_one_error_line(case, run_a, tmp_path, tiny_data, tra
             os.mkfifo(out / ".lock")
         else:
             (out / ".lock").mkdir()
-        expect = f"{out / '.lock'} is not a file, not the lock file a run writes; remove it."
+        what = "not a regular file" if case == "lock-is-a-fifo" else "a folder"
+        expect = f"{out / '.lock'} is {what}, not the lock file a run writes; remove it."
     elif case == "link-to-nowhere":  # runs -> /scratch/me, /scratch not mounted
         (tmp_path / "runs").symlink_to(tmp_path / "scratch" / "me")
         out = tmp_path / "runs" / "a"
@@ -1903,6 +1911,33 @@ def test_missing_tensorboard_is_one_line_before_the_data_is_read(tmp_path, tiny_
     assert "pip install tensorboard, or pass --no-tensorboard." in errors[0]
     assert "training / " not in err  # refused before the data scan
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_a_resume_records_the_flags_it_kept_so_the_next_one_keeps_them_too(tmp_path, tiny_data,
+                                                                          train_here):
+    """A run started with --no-scale-lr --lr 0.01, resumed without those flags and with batch 8:
+    the optimizer keeps 0.01 and the run's rule, and so must the checkpoint's and args.json's
+    record, or the next resume (batch 4 again) would take --scale-lr as the run's rule and
+    halve the lr."""
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1", "--lr", "0.01",
+                                 "--no-scale-lr"))
+    assert code == 0, err[-3000:]
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2", "--batch-size", "8"))
+    assert code == 0, err[-3000:]
+    assert "the learning rate is kept (--no-scale-lr)" in err
+    for record in (load_ckpt(out / "checkpoint.pth")["args"],
+                   json.loads((out / "args.json").read_text())):
+        assert (record["lr"], record["scale_lr"], record["batch_size"]) == (0.01, False, 8)
+    code, err = train_here(flags(tiny_data, out, "--epochs", "3"))  # batch 4 again
+    assert code == 0, err[-3000:]
+    assert "the learning rate is kept (--no-scale-lr)" in err and "resuming keeps" in err
+    lam = (1 + math.cos(2 * math.pi / 3)) / 2 * 0.9 + 0.1  # --lrf 0.1, epoch 2 of 3
+    assert read_metrics(out)[-1]["lr"] == pytest.approx(0.01 * lam, rel=1e-9)
+    # Nothing left to train: no word on a learning rate that will not be used.
+    code, err = train_here(flags(tiny_data, out, "--epochs", "3", "--batch-size", "8"))
+    assert code == 0 and "leaves nothing to train" in err, err[-3000:]
+    assert "images per optimizer step" not in err
 
 
 @pytest.mark.parametrize("accum", [1, 2])
