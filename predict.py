@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from torchvision.transforms import v2
 
 from model import MODELS
-from multi_train_utils.checkpoint import CheckpointError, load_file
+from multi_train_utils.checkpoint import CheckpointError, extract_state_dict, load_file
 from my_dataset import check_image, load_image_tensor, printable_path
 from utils import (IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS, find_run_file, get_transforms,
                    path_flag, run_args_near, user_path)
@@ -65,10 +65,6 @@ log = logging.getLogger(__name__)
 # Used only when neither the command line nor the checkpoint's recorded args say otherwise.
 DEFAULT_MODEL = "resnet34"
 DEFAULT_IMG_SIZE = 224
-
-# Checkpoints from other sources may still carry wrapper prefixes: DistributedDataParallel adds
-# "module.", torch.compile adds "_orig_mod.". Ours never do (they are saved unwrapped).
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 class UsageError(Exception):
@@ -142,18 +138,6 @@ def load_class_names(path: str | Path) -> list[str]:
     return [str(data[key]) for key in expected]
 
 
-def _strip_wrapper_prefixes(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``state_dict`` without the prefixes DDP and torch.compile add, in any order and nesting
-    (``torch.compile(DDP(model))`` gives ``_orig_mod.module.``)."""
-    state_dict = dict(state_dict)
-    while state_dict:
-        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in state_dict)), None)
-        if prefix is None:
-            break
-        state_dict = {key[len(prefix) :]: value for key, value in state_dict.items()}
-    return state_dict
-
-
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Load weights saved by training, returning ``(state_dict, train_args)``.
 
@@ -207,7 +191,13 @@ def load_checkpoint_with_classes(
         raise UsageError(
             f"Weights file {path} holds neither a state dict nor a checkpoint with a 'model' entry."
         )
-    return _strip_wrapper_prefixes(state_dict), train_args, None if classes is None else list(classes)
+    # Files from elsewhere may carry the prefixes DDP ("module.") and torch.compile ("_orig_mod.")
+    # add, in any order; ours never do (saved unwrapped). Stripped as training's --weights does.
+    try:
+        state_dict = extract_state_dict(dict(state_dict), path)
+    except CheckpointError as exc:
+        raise UsageError(f"Weights file {exc}") from None
+    return state_dict, train_args, None if classes is None else list(classes)
 
 
 def build_model(model_name: str, state_dict: Mapping[str, Tensor], num_classes: int) -> nn.Module:
