@@ -379,7 +379,7 @@ def _race_loops(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torc
     def ours(data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         _quiet_train_one_epoch(model, optimizer, data, device, args, scaler)
 
-    warm = max(1, args.warmup_steps)
+    warm = args.warmup_steps
     bare(ready[:warm])
     ours(batches[:warm])
     loops = {"bare": lambda: bare(ready * cycles), "ours": lambda: ours(batches * cycles)}
@@ -505,7 +505,7 @@ def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Seque
 
     workers = default_workers(args.batch_size) if args.workers is None else args.workers
     burst = max(1, workers)  # batches that arrive together (see _SteadyWindow)
-    skip = burst * -(-max(1, args.warmup_steps) // burst)
+    skip = burst * -(-args.warmup_steps // burst)
     steps = burst * -(-args.steps // burst)
     images = steps * args.batch_size
     with _num_threads(args.threads) if device.type == "cpu" else contextlib.nullcontext():
@@ -540,15 +540,17 @@ def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Seque
             "with_data_best_img_per_s": max(runs["training"]),
             "compute_img_per_s": compute_img_per_s,
             "data_efficiency": with_data / compute_img_per_s,
-            "limited_by": _data_limit(loader_rate, with_data, compute_img_per_s),
+            "limited_by": _data_limit(loader_rate, with_data, compute_img_per_s, workers),
             "target_img_per_s": CUDA_TARGET_IMG_PER_S if device.type == "cuda" else None}
 
 
-def _data_limit(loader: float, with_data: float, compute: float) -> str:
+def _data_limit(loader: float, with_data: float, compute: float, workers: int) -> str:
     """What holds training with data back, from the three rates of stage 5."""
     if loader < compute:
         return "input pipeline"  # the workers cannot supply what the model consumes
     if with_data < DATA_EFFICIENT * compute:
+        if workers == 0:  # loading and training take turns in one process
+            return "loading in the training process (--workers 0)"
         return "CPUs shared by the loader workers and training"  # each fast enough alone
     return "compute"
 
@@ -606,6 +608,8 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
     set_launch_env(rank=local_rank, local_rank=local_rank, world_size=nprocs,
                    master_addr="127.0.0.1", master_port=port,
                    extra=[("LOCAL_WORLD_SIZE", str(nprocs))])
+    if nprocs == 1:  # the baseline runs as plain python does: no process group
+        del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     rss_at_start = _peak_host_rss_mib()  # Python + torch libraries, before any model or data
@@ -621,7 +625,7 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
         # Each rank its own data, as DistributedSampler gives it; same steps on every rank.
         batches = _synthetic_batches(args, args.steps, args.seed + info.rank,
                                      pin=device.type == "cuda")
-        _quiet_train_one_epoch(model, optimizer, batches[:max(1, args.warmup_steps)], device,
+        _quiet_train_one_epoch(model, optimizer, batches[:args.warmup_steps], device,
                                args, scaler)
         seconds = []
         for _ in range(args.repeats):
@@ -952,6 +956,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for flag, value in (("batch-size", args.batch_size), ("steps", args.steps),
                         ("repeats", args.repeats), ("pipeline-images", args.pipeline_images),
                         ("threads", args.threads), ("max-procs", max_procs),
+                        ("warmup-steps", args.warmup_steps),
                         ("img-size", args.img_size), ("pipeline-size", args.pipeline_size),
                         ("epoch-images", args.epoch_images), ("num-classes", args.num_classes)):
         if value < 1:
@@ -1039,7 +1044,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="DataLoader workers of the with-data stage "
                              "(default: the training script's, min(cpus per process, batch size, 8))")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
-    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="untimed steps first (at least 1: they start the loader workers "
+                             "and let cuDNN pick its kernels)")
     parser.add_argument("--repeats", type=int, default=9,
                         help="timed repeats of each measurement (medians and best are reported)")
     parser.add_argument("--threads", type=int, default=1,

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import platform
 import random
 import re
 import shutil
@@ -172,11 +173,13 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     optim.add_argument("--batch-size", "--batch_size", type=POSITIVE_INT, default=16,
                        help="per process; the global batch is this x world size")
     optim.add_argument("--lr", type=POSITIVE, default=0.001,
-                       help="learning rate for one process; times the world size with --scale-lr")
+                       help="learning rate for one process's batch; times the world size (and "
+                            "--grad-accum-steps) with --scale-lr")
     optim.add_argument("--scale-lr", action=BoolFlag, default=True,
-                       help="linear scaling: lr x world size; a resume that changes the images "
-                            "per optimizer step (processes x batch x accumulation) rescales it to "
-                            "match (Goyal et al. 2017, arXiv:1706.02677)")
+                       help="linear scaling: lr x world size x --grad-accum-steps; a resume that "
+                            "changes the images per optimizer step (processes x batch x "
+                            "accumulation) rescales it to match (Goyal et al. 2017, "
+                            "arXiv:1706.02677)")
     optim.add_argument("--lrf", type=NON_NEGATIVE, default=0.1,
                        help="final lr as a fraction of the initial (cosine schedule)")
     optim.add_argument("--momentum", type=NON_NEGATIVE, default=0.9, help="SGD momentum")
@@ -211,6 +214,9 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
                           help="processes on this node (default: visible GPUs, or 2 on CPU)")
         dist.add_argument("--nnodes", type=POSITIVE_INT, default=1, help="number of machines")
         dist.add_argument("--node-rank", type=COUNT, default=0, help="this machine's index")
+    else:  # the classic launch script took it: accepted, but the launcher decides (_run checks)
+        dist.add_argument("--world-size", "--world_size", type=POSITIVE_INT, default=None,
+                          help=argparse.SUPPRESS)
 
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", type=path_flag, default="runs/train",
@@ -399,8 +405,9 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup &)
         signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
-    global _signal_received, _waiting_for
+    global _signal_received, _waiting_for, _set_up
     _signal_received = _waiting_for = None
+    _set_up = False
     info = None
     try:
         with _signals_default():
@@ -430,11 +437,18 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
                       "it continues from %s.", worker.group(0), _continues_from(args))
             sys.exit(1)
         nccl_refused = nccl_setup_error(exc)
-        if nccl_refused:
+        if nccl_refused and not _set_up:
             log.error("error: NCCL refused to set up the run (%s); give every process a GPU of "
                       "its own (one process per GPU; with SLURM --gpus-per-task=1) and check the "
                       "NCCL_* variables - NCCL_DEBUG=INFO says more.", nccl_refused)
             sys.exit(EXIT_USER_ERROR)
+        if nccl_refused:  # the set-up worked: not a mistake in the command
+            _quiet_second_signal()
+            log.error("error: NCCL failed during the run (%s): most often a GPU fault or GPU "
+                      "memory running out (see dmesg, nvidia-smi; NCCL_DEBUG=INFO says more). "
+                      "Run the same command again: it continues from %s.", nccl_refused,
+                      _continues_from(args))
+            sys.exit(1)
         reason = peer_failure(exc) if info is None or info.distributed else None
         if reason is None:
             raise
@@ -515,6 +529,8 @@ def _seed_everything(seed: int, rank: int) -> None:
 
 # What this rank waits for in a long collective, for the "lost contact" message.
 _waiting_for: str | None = None
+# The process group, model and DDP are set up: a failure now is not the set-up's (train()).
+_set_up = False
 
 
 def _scan_on_rank0(root: str, verify: bool, info: DistInfo, min_classes: int) -> FolderScan:
@@ -708,6 +724,14 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
     own = model.state_dict().keys()
     if args.eval_only and (skipped or missing):
         unfit = sorted(set(skipped) | set(missing))
+        if trained_on is None and all(k.startswith("fc.") for k in unfit) and any(
+                k.startswith("fc.") for k in skipped):  # it has a head, for other classes
+            raise ConfigError(f"--eval-only: the classifier of {args.weights} does not fit the "
+                              f"{len(classes)} classes of the data, and its class names are "
+                              "unknown (no class_indices.json beside it or one folder up), so "
+                              "the data's classes cannot be matched to its outputs; put its "
+                              "run's class_indices.json beside it, or evaluate on the classes "
+                              "it was trained on.")
         raise ConfigError(f"--eval-only: {len(unfit)} tensor(s) of --model {args.model} with "
                           f"{len(classes)} classes are missing from or do not fit "
                           f"{args.weights} (e.g. {unfit[0]}), so the accuracy would be "
@@ -858,6 +882,32 @@ def _hold_frozen_norms(model: nn.Module) -> None:
     model.register_forward_pre_hook(to_eval)
 
 
+def _launcher_restarts() -> int:
+    """How often the launcher has restarted this process's run (torchrun --max-restarts, an
+    elastic change of members, a requeued SLURM job); 0 on its first start."""
+    counts = [os.environ.get(name, "0") for name in ("TORCHELASTIC_RESTART_COUNT",
+                                                     "SLURM_RESTART_COUNT")]
+    return max(int(count) if count.isdigit() else 0 for count in counts)
+
+
+def launch_id() -> str | None:
+    """What names one launch across its restarts, and only it (None: nothing does): the SLURM
+    job, torchrun's run id, or, for its default id "none", this machine's torchrun process."""
+    job = os.environ.get("SLURM_JOB_ID")
+    parts = [f"slurm job {job}"] if job else []
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        parts.append(f"torchrun {run_id}")
+    elif run_id:  # the parent restarts the workers; its pid and start time outlive them
+        try:
+            stat_fields = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
+            parts.append(f"torchrun pid {os.getppid()} started {stat_fields[19]} on "
+                         f"{platform.node()}")
+        except (OSError, IndexError):
+            return None
+    return "; ".join(parts) or None
+
+
 def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
     """The checkpoint every rank resumes from, decided by rank 0 (None: start fresh).
 
@@ -865,12 +915,34 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
     other ranks would not find it and would silently start from epoch 0 with other weights.
     """
     if args.resume in (None, "", "none"):
-        return None
-    if args.eval_only and args.weights:
+        restarts = 0 if args.eval_only else max(all_gather_object(_launcher_restarts()))
+        # A restart runs the same command again: "start anew" meant the launch, and starting
+        # anew at each restart would throw its epochs away. The folder is the launch's own once
+        # its args.json names the launch (written as the earlier run's files were set aside).
+        own = restarts and launch_id() is not None and \
+            run_args_near(out / "checkpoint.pth")[0].get("launch") == launch_id()
+        path = str(out / "checkpoint.pth") if own and (out / "checkpoint.pth").is_file() \
+            else None
+        path = broadcast_object(path)  # rank 0 decides, for every rank
+        if path is None:
+            return None
+        log.info("restart %d of this launch: continuing its own %s (--resume none started "
+                 "the launch anew, not each restart).", restarts, path)
+    elif args.eval_only and args.weights:
         if args.resume != "auto":
             raise ConfigError(f"--eval-only got both --resume {args.resume} and --weights "
                               f"{args.weights}; give one of them.")
         return None  # score the file asked for, not an earlier run's checkpoint.pth
+    else:
+        path = _resume_path(args, out)
+    if path is not None and not all_ranks_ok(os.path.isfile(path)):
+        raise CheckpointError(f"checkpoint {path} is not readable on every rank; put --output-dir "
+                              "on storage all machines share, or copy the file to each of them.")
+    return path
+
+
+def _resume_path(args: argparse.Namespace, out: Path) -> str | None:
+    """``--resume auto`` or PATH, as rank 0 sees it (broadcast)."""
     path, error = args.resume, None
     if args.resume == "auto":
         path = str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
@@ -890,9 +962,6 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
         raise CheckpointError(f"{out / 'checkpoint.pth'} exists on some machines of this run "
                               "but not on the one of rank 0; put --output-dir on storage all "
                               "machines share, or copy the run's folder to each of them.")
-    if path is not None and not all_ranks_ok(os.path.isfile(path)):
-        raise CheckpointError(f"checkpoint {path} is not readable on every rank; put --output-dir "
-                              "on storage all machines share, or copy the file to each of them.")
     return path
 
 
@@ -934,10 +1003,12 @@ def _plan(args: argparse.Namespace, info: DistInfo, start_epoch: int,
     if args.grad_accum_steps > 1 or info.world_size > 1:
         batch += (f", {args.batch_size * args.grad_accum_steps * info.world_size} per optimizer "
                   "step")
-    scaled = args.scale_lr and info.world_size > 1 and start_epoch == 0
+    scaled = [f"{info.world_size} processes"] * (info.world_size > 1) + [
+        f"{args.grad_accum_steps} accumulated batches"] * (args.grad_accum_steps > 1)
     return (f"training {args.model} at {args.img_size} px, epochs {start_epoch}-{args.epochs - 1}: "
             f"{', '.join(how)}; {batch}; lr {lr:.3g}"
-            + (f" (--lr {args.lr:g} x {info.world_size} processes)" if scaled else ""))
+            + (f" (--lr {args.lr:g} x {' x '.join(scaled)})"
+               if args.scale_lr and scaled and start_epoch == 0 else ""))
 
 
 def _same_file(a: str | None, b: str | None) -> bool:
@@ -1235,7 +1306,14 @@ def _check_same_flags(args: argparse.Namespace, info: DistInfo) -> None:
 
 
 def _run(args: argparse.Namespace, info: DistInfo) -> None:
+    global _set_up
     _check_same_flags(args, info)
+    asked = getattr(args, "world_size", None)  # the spawn launcher's: per machine
+    if asked is not None and asked * getattr(args, "nnodes", 1) != info.world_size:
+        raise ConfigError(f"--world-size {asked} but this run has {info.world_size} "
+                          "process(es); drop --world-size: the launcher's own flags (torchrun "
+                          "--nproc_per_node x --nnodes, srun -n) decide, and plain python runs "
+                          "one.")
     out = Path(args.output_dir)
     data_root = Path(args.data_path or args.demo_dir or default_demo_root())
     try:
@@ -1275,28 +1353,38 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest
     scan, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(args, info, out)
-    classes = scan.classes
-    if args.eval_only:  # a test folder may hold only some of the classes the model knows
-        model_path = resume_path or args.weights
-        classes = _score_against_trained_classes(model_path, classes, val_set, info)
-        if args.num_classes is not None and args.num_classes != len(classes):
-            raise ConfigError(
-                f"--num-classes {args.num_classes} disagrees with the {len(classes)} classes "
-                f"{model_path} was trained on (the data holds {len(scan.classes)} of them); "
-                "drop the flag." if classes is not scan.classes else
-                f"--num-classes {args.num_classes} disagrees with the {len(classes)} class "
-                f"folders found in {scan.root} ({', '.join(classes)}); drop the flag or fix the "
-                "folders.")
-    num_classes = len(classes)
-    val_split = _split_digest(scan.root, val_set.images_path)
-
-    # A resumed run's weights come from its checkpoint: --weights only started it, and may be
-    # gone by now (a scratch file, a relative path from another folder) without stopping a rerun.
-    model = _build_model(args, info, classes, load_weights=resume_path is None,
-                         val_split=val_split)
-    _check_norm_batch(args, info, model)
-    ckpt = (_load_checkpoint(resume_path, args, classes, warn=info.is_main, val_split=val_split)
-            if resume_path else None)
+    # Every rank reads the model files itself: one machine's copy may be damaged or unreadable,
+    # and its ranks stopping alone would leave the others waiting in the next collective.
+    problem = None
+    try:
+        classes = scan.classes
+        if args.eval_only:  # a test folder may hold only some of the classes the model knows
+            model_path = resume_path or args.weights
+            classes = _score_against_trained_classes(model_path, classes, val_set, info)
+            if args.num_classes is not None and args.num_classes != len(classes):
+                raise ConfigError(
+                    f"--num-classes {args.num_classes} disagrees with the {len(classes)} classes "
+                    f"{model_path} was trained on (the data holds {len(scan.classes)} of them); "
+                    "drop the flag." if classes is not scan.classes else
+                    f"--num-classes {args.num_classes} disagrees with the {len(classes)} class "
+                    f"folders found in {scan.root} ({', '.join(classes)}); drop the flag or fix "
+                    "the folders.")
+        num_classes = len(classes)
+        val_split = _split_digest(scan.root, val_set.images_path)
+        # A resumed run's weights come from its checkpoint: --weights only started it, and may
+        # be gone by now (a scratch file, a relative path from another folder) without
+        # stopping a rerun.
+        model = _build_model(args, info, classes, load_weights=resume_path is None,
+                             val_split=val_split)
+        _check_norm_batch(args, info, model)
+        ckpt = (_load_checkpoint(resume_path, args, classes, warn=info.is_main,
+                                 val_split=val_split) if resume_path else None)
+    except USER_ERRORS as exc:
+        problem = exc
+    if not all_ranks_ok(problem is None):
+        raise problem or CheckpointError(
+            f"another process of the run could not load {resume_path or args.weights} (its "
+            "machine's error line says why); every machine needs a readable copy.")
     if ckpt is not None:
         state, own = extract_state_dict(ckpt, resume_path), model.state_dict()
         # Checkpoints without recorded args (or from edited code) are checked by shape.
@@ -1324,6 +1412,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     elif args.comm_hook != "none":
         log.warning("--comm-hook %s does nothing in a single process: there is no all-reduce.",
                     args.comm_hook)
+    _set_up = True  # DDP has broadcast the weights: NCCL works between these processes
     if args.compile:
         model = torch.compile(model)
 
@@ -1333,7 +1422,9 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                     "uses fp16 with loss scaling.")
         amp_dtype = torch.float16
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    lr = args.lr * info.world_size if args.scale_lr else args.lr
+    # Linear scaling with the images per optimizer step: K accumulated batches stand in for K
+    # times the processes, and train with their learning rate (a resume follows the same rule).
+    lr = args.lr * info.world_size * args.grad_accum_steps if args.scale_lr else args.lr
     params = [p for p in model_without_ddp.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
@@ -1416,6 +1507,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         _check_on_rank0(_restore_metrics, out, history, info=info)
         return
     resolved = {"world_size": info.world_size, "backend": info.backend, "device": str(device),
+                "launch": launch_id(),
                 "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None}
     _check_on_rank0(_write_start_files, out, _jsonable(args, **in_effect, **resolved), history,
                     ckpt is None, args.weights, info=info)

@@ -474,6 +474,9 @@ def get_transforms(img_size: int) -> dict[str, v2.Compose]:
     }
 
 
+_FILE_BACKENDS = frozenset({"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"})
+
+
 def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
                            class_indices: str | os.PathLike = "class_indices.json",
                            save_path: str | os.PathLike | None = None, max_images: int = 8
@@ -488,6 +491,8 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
     if headless:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    # A backend that only writes files (MPLBACKEND=Agg on a desktop) cannot show: save.
+    headless = headless or matplotlib.get_backend().lower() in _FILE_BACKENDS
 
     names = {}
     if os.path.exists(class_indices):

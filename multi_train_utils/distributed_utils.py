@@ -9,7 +9,8 @@ Where the ranks come from, in order:
 1. torchrun / ``torch.distributed.launch --use_env`` / our spawn launcher: ``RANK``, ``WORLD_SIZE``,
    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
 2. SLURM (``srun python train.py``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the
-   master address is the first host of ``SLURM_JOB_NODELIST`` unless ``MASTER_ADDR`` is set.
+   master address is the first host of the step's nodes (``SLURM_STEP_NODELIST``) unless
+   ``MASTER_ADDR`` is set.
 3. Neither: a single process, no process group.
 
 This package imports nothing from the training scripts beside it, so it can be copied alone.
@@ -60,8 +61,13 @@ class DistInfo:
 
 
 def _slurm_master_addr() -> str:
-    """First host of the SLURM node list (``node[01-04],gpu7`` -> ``node01``)."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    """First host of the step's SLURM node list (``node[01-04],gpu7`` -> ``node01``).
+
+    The step's, where rank 0 runs: a step of a sweep (``srun -N1 ... &``) may start on any node
+    of the job's allocation, not on its first.
+    """
+    nodelist = (os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+                or os.environ.get("SLURM_NODELIST", ""))
     try:  # scontrol knows every node-list syntax; it exists wherever srun does
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
                              text=True, check=True, timeout=30).stdout.split()
@@ -72,6 +78,14 @@ def _slurm_master_addr() -> str:
     first = re.split(r",(?![^\[]*\])", nodelist)[0] if nodelist else "127.0.0.1"
     # Each bracket by its first entry: node[01-04] -> node01, n[1-2]-ib -> n1-ib.
     return re.sub(r"\[([^\],\-]+)[^\]]*\]", r"\1", first)
+
+
+def _slurm_tasks_per_node() -> int:
+    """The tasks of this SLURM step on each node when every node has as many (``4(x2)`` -> 4),
+    else 0 (``2,1``: which entry is this node's is not said)."""
+    counts = {re.sub(r"\(x\d+\)$", "", part)
+              for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(",")}
+    return int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else 0
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -98,8 +112,9 @@ def _read_env() -> tuple[int, int, int] | None:
         # steps of one allocation (a sweep of `srun ... &`), rarely collide.
         os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
         step = _env_int("SLURM_STEP_ID", 0)
+        # 20000-32767: below Linux's ephemeral ports (32768 on), which outgoing connections take.
         os.environ.setdefault("MASTER_PORT",
-                              str(20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * step) % 20000))
+                              str(20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * step) % 12768))
     else:
         return None
     rank, _, world_size = env
@@ -140,9 +155,11 @@ def _pick_device(requested: str, local_rank: int, *, slurm_task: bool = False) -
     count = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     # Every local rank checks the whole machine, so all of them stop with the message, not only
-    # those past the last GPU (torchrun sets LOCAL_WORLD_SIZE; its workers share one view).
-    needed = max(local_rank + 1, 0 if slurm_task else _env_int("LOCAL_WORLD_SIZE", 0))
-    if slurm_task and local_rank >= count == 1 and visible and "," not in visible:
+    # those past the last GPU, who would leave the others waiting for them (torchrun sets
+    # LOCAL_WORLD_SIZE; SLURM says the tasks per node of the step).
+    needed = max(local_rank + 1,
+                 _slurm_tasks_per_node() if slurm_task else _env_int("LOCAL_WORLD_SIZE", 0))
+    if slurm_task and count == 1 and visible and "," not in visible:
         # Each task was given its own GPU (SLURM --gpus-per-task=1): it is device 0 here. Were
         # two tasks shown one shared GPU instead, NCCL refuses ("Duplicate GPU detected"), and
         # nccl_setup_error says so.
@@ -196,8 +213,9 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     Scripts written for the classic template call ``init_distributed_mode(args)`` and then read
     ``args.rank``, ``args.world_size``, ``args.gpu``, ``args.distributed`` and
     ``args.dist_backend``: given ``args``, those are set as it did (``args.gpu`` is the GPU
-    index, for ``device_ids=[args.gpu]``; the local rank without CUDA). New code reads the
-    returned :class:`DistInfo` instead and passes no ``args``.
+    index, for ``device_ids=[args.gpu]``; the local rank without CUDA; ``args.distributed``:
+    a process group exists, also torchrun's group of one). New code reads the returned
+    :class:`DistInfo` instead and passes no ``args``.
     """
     # Classic scripts may hold a torch.device or "CPU" there.
     device = str(device or getattr(args, "device", None) or "auto").lower()
@@ -205,9 +223,9 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     timeout_s = timeout_s or getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S
     info = _init(device, dist_url, timeout_s)
     if args is not None:
-        for name, value in (("rank", info.rank), ("world_size", info.world_size),
-                            ("gpu", info.device.index if info.device.type == "cuda"
-                             else info.local_rank), ("distributed", info.distributed),
+        gpu = info.device.index if info.device.type == "cuda" else info.local_rank
+        for name, value in (("rank", info.rank), ("world_size", info.world_size), ("gpu", gpu),
+                            ("distributed", is_dist_avail_and_initialized()),
                             ("dist_backend", info.backend)):
             setattr(args, name, value)
     return info
@@ -219,8 +237,10 @@ def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
         return DistInfo(device=_pick_device(device, 0))
     rank, local_rank, world_size = env
     dev = _pick_device(device, local_rank, slurm_task="RANK" not in os.environ)
-    if world_size == 1:
+    if world_size == 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return DistInfo(rank=rank, local_rank=local_rank, device=dev)
+    # A launcher's group of one (torchrun --nproc_per_node=1) is a group too, as in the classic
+    # template: scripts written for it create a DistributedSampler, a barrier or DDP regardless.
 
     _check_rendezvous(dist_url)
     backend = "nccl" if dev.type == "cuda" else "gloo"

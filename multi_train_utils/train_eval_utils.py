@@ -287,6 +287,10 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     """
     model.eval()
     sampler = _distributed_sampler(data_loader)
+    if sampler is not None and not getattr(data_loader, "in_order", True):
+        raise ValueError("evaluate needs the val loader's batches in the sampler's order, to tell "
+                         "its padded repeats by position; build it with in_order=True (the "
+                         "default).")
     if is_main_process():  # every rank has the same loader: said once
         if sampler is None and get_world_size() > 1:
             log.warning("evaluate: the loader has no DistributedSampler, so every rank scores the "

@@ -139,10 +139,12 @@ def test_json_holds_every_figure(bench):
     assert data["data_efficiency"] == pytest.approx(
         data["with_data_img_per_s"] / loop["ours_img_per_s"])
     from benchmark import _data_limit
-    assert data["limited_by"] == _data_limit(data["loader_img_per_s"],
-                                             data["with_data_img_per_s"], data["compute_img_per_s"])
-    assert [_data_limit(50, 49, 100), _data_limit(500, 60, 100), _data_limit(500, 95, 100)] == [
-        "input pipeline", "CPUs shared by the loader workers and training", "compute"]
+    assert data["limited_by"] == _data_limit(data["loader_img_per_s"], data["with_data_img_per_s"],
+                                             data["compute_img_per_s"], data["workers"])
+    assert [_data_limit(50, 49, 100, 2), _data_limit(500, 60, 100, 2),
+            _data_limit(500, 95, 100, 2), _data_limit(500, 60, 100, 0)] == [
+        "input pipeline", "CPUs shared by the loader workers and training", "compute",
+        "loading in the training process (--workers 0)"]
     assert data["target_img_per_s"] is None  # the 5,000 img/s target is an H200's
 
     assert report["config"]["model"] == "resnet18" and report["config"]["procs"] == [1, 2]
@@ -177,6 +179,7 @@ def test_chart_is_a_png_and_table_is_printed(bench):
 @pytest.mark.parametrize("flag, value, message", [
     ("--steps", "0", "--steps must be at least 1, not 0."),
     ("--workers", "-1", "--workers must be 0 or more, not -1."),
+    ("--warmup-steps", "0", "--warmup-steps must be at least 1, not 0."),
 ])
 def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
     proc = run([sys.executable, "benchmark.py", "--device", "cpu", flag, value,

@@ -812,6 +812,15 @@ def test_evaluate_warns_when_a_loader_would_count_samples_twice_or_drop_them(eva
     assert evaluate(model, dropping, CPU).num_samples == 8
     assert ("evaluate: the val loader or its DistributedSampler has drop_last=True, so some val "
             "samples are never scored; build both with drop_last=False.") in caplog.text
+    # Out of order (workers deliver as they finish), a padded repeat could take a real
+    # sample's position: refused, not silently miscounted.
+    sampler = DistributedSampler(TensorDataset(images, labels), num_replicas=2, rank=1,
+                                 shuffle=False)
+    unordered = DataLoader(TensorDataset(images, labels), batch_size=4, sampler=sampler,
+                           num_workers=1, in_order=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "evaluate needs the val loader's batches in the sampler's order")):
+        evaluate(model, unordered, CPU)
 
 
 # ------------------------------------------------------------------ 7. reproducible end to end

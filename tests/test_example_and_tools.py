@@ -77,6 +77,8 @@ def test_multi_train_utils_and_example_work_copied_alone(tmp_path):
 
 # ---------------------------------------------------------------- utils plots
 def test_plot_data_loader_image_saves_same_picture_for_uint8_and_normalised(tmp_path, monkeypatch):
+    import matplotlib
+
     monkeypatch.delenv("DISPLAY", raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "class_indices.json").write_text(json.dumps({"0": "red", "1": "blue"}))
@@ -95,6 +97,12 @@ def test_plot_data_loader_image_saves_same_picture_for_uint8_and_normalised(tmp_
     default = plot_data_loader_image(DataLoader(TensorDataset(images, labels), batch_size=4))
     assert Path(raw) == tmp_path / "raw.png" and Path(norm) == tmp_path / "norm.png"
     assert Path(default).resolve() == (tmp_path / "data_loader_batch.png").resolve()
+    # A desktop (DISPLAY set) with MPLBACKEND=Agg: plt.show() could only warn; it saves too.
+    monkeypatch.setenv("DISPLAY", ":99")
+    matplotlib.use("Agg")
+    (tmp_path / "data_loader_batch.png").unlink()
+    assert plot_data_loader_image(DataLoader(TensorDataset(images, labels), batch_size=4)) \
+        == Path("data_loader_batch.png") and (tmp_path / "data_loader_batch.png").is_file()
     a = np.asarray(Image.open(raw).convert("RGB"), dtype=np.float64)
     b = np.asarray(Image.open(norm).convert("RGB"), dtype=np.float64)
     assert a.shape == b.shape

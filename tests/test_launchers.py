@@ -59,7 +59,7 @@ def test_legacy_launch_use_env(tiny_data, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--use_env", "--nproc_per_node=2",
            f"--master_port={find_free_port()}", "train_multi_gpu_using_launch.py",
            "--data-path", str(tiny_data), *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out),
-           "--comm-hook", "bf16"]
+           "--comm-hook", "bf16", "--world-size", "2"]  # the classic command line's flag
     res = run(cmd)
     assert res.returncode == 0, res.stderr[-3000:]
     check_run_dir(out, epochs=1, world_size=2)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_FLAGS, child_env
+from conftest import ROOT, TINY_FLAGS, child_env, run, torchrun_cmd
 from multi_train_utils import distributed_utils
 from multi_train_utils.distributed_utils import find_free_port
 
@@ -160,6 +160,28 @@ def test_torchrun_two_nodes_c10d_rendezvous(tiny_data, tmp_path, probe):
     assert "[epoch 1]" in logs[writer].read_text() and "[epoch" not in logs[1 - writer].read_text()
 
 
+def _two_slurm_machines(cwds: list[Path], logs: list[Path], argv: list[str]) -> list[int]:
+    """Exit codes of two SLURM tasks of the launch script, each local rank 0 of its own
+    "machine": its own working folder (so relative paths name each machine's own files)."""
+    port = str(find_free_port())
+    procs = []
+    for n, (cwd, log) in enumerate(zip(cwds, logs)):
+        with log.open("w") as handle:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / LAUNCH), *argv], cwd=cwd, stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=child_env(SLURM_PROCID=str(n), SLURM_LOCALID="0", SLURM_NTASKS="2",
+                              SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
+    try:
+        return [proc.wait(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 # ---------------------------------------------------------------- SLURM
 def test_slurm_two_tasks(tiny_data, tmp_path, probe):
     script, records = probe
@@ -185,31 +207,42 @@ def test_slurm_two_tasks(tiny_data, tmp_path, probe):
     # Resuming with output dirs that are not shared (simulated by a relative --output-dir seen
     # from each task's own folder): rank 1 cannot read rank 0's checkpoint. Every rank must stop
     # with one clear message instead of silently restarting from epoch 0 with other weights.
-    port = str(find_free_port())
-    procs = []
-    for n in range(2):
-        outs[n].parent.mkdir(exist_ok=True)
-        with logs[n].open("w") as handle:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / LAUNCH), *TINY_FLAGS, "--data-path", str(tiny_data),
-                 "--epochs", "2", "--output-dir", "out"], cwd=outs[n].parent, stdout=handle,
-                stderr=subprocess.STDOUT,
-                env=child_env(SLURM_PROCID=str(n), SLURM_LOCALID="0", SLURM_NTASKS="2",
-                              SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))  # 2 machines
-    try:
-        codes = [proc.wait(timeout=120) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for out in outs:
+        out.parent.mkdir(exist_ok=True)
+    codes = _two_slurm_machines([out.parent for out in outs], logs, [
+        *TINY_FLAGS, "--data-path", str(tiny_data), "--epochs", "2", "--output-dir", "out"])
     assert codes == [2, 2], [log.read_text()[-2000:] for log in logs]
     text = logs[0].read_text()
     assert text.count("is not readable on every rank") == 1 and "Traceback" not in text
     other = logs[1].read_text()  # the other machine says it too: rank 0 may be on either one
     assert other.count("is not readable on every rank") == 1 and "Traceback" not in other
     assert len((outs[0] / "metrics.jsonl").read_text().splitlines()) == 1  # nothing trained
+
+
+@pytest.mark.parametrize("mode", ["train", "eval-only"])
+def test_weights_one_machine_cannot_read_stop_every_rank(tiny_data, tmp_path, mode):
+    """Each machine has its own copy of --weights, and one copy is damaged: its ranks stopped
+    alone, and the others waited in the next collective (until --dist-timeout under NCCL; with
+    gloo they blamed a lost peer). Every rank stops with exit code 2 and one line."""
+    from model import resnet18
+
+    nodes = [tmp_path / f"node{n}" for n in range(2)]
+    for node in nodes:
+        node.mkdir()
+        torch.save(resnet18(num_classes=5).state_dict(), node / "w.pth")
+    data = (nodes[1] / "w.pth").read_bytes()
+    (nodes[1] / "w.pth").write_bytes(data[:len(data) // 2])  # a copy cut short
+    logs = [node / "log" for node in nodes]
+    codes = _two_slurm_machines(nodes, logs, [
+        *TINY_FLAGS, "--data-path", str(tiny_data), "--epochs", "1", "--output-dir", "out",
+        "--weights", "w.pth", *["--eval-only"] * (mode == "eval-only")])
+    texts = [log.read_text() for log in logs]
+    assert codes == [2, 2], [text[-2000:] for text in texts]
+    assert [text.count("error:") for text in texts] == [1, 1] and "Traceback" not in "".join(texts)
+    assert ("error: another process of the run could not load w.pth (its machine's error line "
+            "says why); every machine needs a readable copy.") in texts[0]
+    assert "error: w.pth is not a readable PyTorch checkpoint" in texts[1], texts[1][-2000:]
+    assert not (nodes[0] / "out" / "metrics.jsonl").exists()  # nothing trained
 
 
 # ---------------------------------------------------------------- SLURM environment parsing
@@ -292,7 +325,7 @@ def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
     assert distributed_utils._read_env() == (5, 1, 8)
     # Every task derives the same address and port without talking to the others.
     assert os.environ["MASTER_ADDR"] == "gpu3"
-    assert os.environ["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    assert os.environ["MASTER_PORT"] == str(20000 + 123456 % 12768)
     # Another step of the allocation (srun ... & srun ... &) gets another port.
     ports = set()
     for step in range(4):
@@ -300,7 +333,14 @@ def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
         slurm_env.setenv("SLURM_STEP_ID", str(step))
         distributed_utils._read_env()
         ports.add(os.environ["MASTER_PORT"])
-    assert len(ports) == 4 and all(20000 <= int(port) < 40000 for port in ports)
+    # Below the ephemeral ports (32768 on), which outgoing connections may hold at any time.
+    assert len(ports) == 4 and all(20000 <= int(port) < 32768 for port in ports)
+    # A step of a sweep (srun -N1 ... &) may run on any node of the allocation: its rank 0 is on
+    # the first node of the step, not of the job.
+    slurm_env.delenv("MASTER_ADDR")
+    slurm_env.setenv("SLURM_STEP_NODELIST", "gpu5")
+    distributed_utils._read_env()
+    assert os.environ["MASTER_ADDR"] == "gpu5"
     # An explicit MASTER_ADDR/MASTER_PORT wins.
     slurm_env.setenv("MASTER_ADDR", "10.0.0.9")
     slurm_env.setenv("MASTER_PORT", "29555")
@@ -347,6 +387,28 @@ def test_classic_call_sets_the_attributes_classic_scripts_read(slurm_env):
     assert distributed_utils.init_distributed_mode(device="cpu") == info  # new code: no args
     for device in (torch.device("cpu"), "CPU"):  # what classic scripts may hold in args.device
         assert distributed_utils.init_distributed_mode(argparse.Namespace(device=device)) == info
+
+
+def test_a_torchrun_group_of_one_is_a_process_group_as_in_the_classic_template(tmp_path):
+    """`torchrun --nproc_per_node=1 classic_train.py` (a one-GPU debug run) stopped at the
+    classic script's DistributedSampler: "Default process group has not been initialized"."""
+    script = tmp_path / "classic_one.py"
+    script.write_text(
+        "import argparse\n"
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from multi_train_utils.distributed_utils import cleanup, init_distributed_mode\n"
+        "args = argparse.Namespace(device='cpu', dist_url='env://')\n"
+        "init_distributed_mode(args=args)\n"
+        "sampler = torch.utils.data.distributed.DistributedSampler(list(range(5)))\n"
+        "dist.barrier()\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "print('classic', args.rank, args.world_size, args.distributed, args.dist_backend,\n"
+        "      len(list(sampler)), flush=True)\n"
+        "cleanup()\n")
+    res = run(torchrun_cmd(1, str(script)), timeout=120, PYTHONPATH=str(ROOT))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "classic 0 1 True gloo 5\n" in res.stdout
 
 
 @pytest.mark.parametrize("url", ["tcp://127.0.0.1", "127.0.0.1:29500", "tcp://host:99999"])
@@ -574,6 +636,21 @@ def test_gpu_of_a_local_rank_under_slurm_gpu_binding(slurm_env, fake_gpus):
     assert str(error.value) == (
         "local rank 3 has no GPU: only 2 visible (CUDA_VISIBLE_DEVICES=2,3); start one process "
         "per GPU (with SLURM: --gpus-per-task=1, or --ntasks-per-node equal to the GPUs per node).")
+    # srun --ntasks-per-node=4 on nodes with 2 GPUs: local ranks 0-1 stop too, not only 2-3,
+    # which would leave them waiting in the rendezvous (srun does not stop the other tasks).
+    slurm_env.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)")
+    for local_rank in (0, 3):
+        with pytest.raises(distributed_utils.LaunchError, match=re.escape(
+                "local rank 3 has no GPU: only 2 visible")):
+            distributed_utils._pick_device("cuda", local_rank, slurm_task=True)
+    slurm_env.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x3),1")  # not even: each rank by itself
+    assert distributed_utils._pick_device("cuda", 0, slurm_task=True) == torch.device("cuda", 0)
+    slurm_env.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+    assert distributed_utils._pick_device("cuda", 1, slurm_task=True) == torch.device("cuda", 1)
+    slurm_env.setattr(torch.cuda, "device_count", lambda: 1)  # --gpus-per-task=1: its own GPU
+    slurm_env.setenv("CUDA_VISIBLE_DEVICES", "6")
+    slurm_env.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)")
+    assert distributed_utils._pick_device("cuda", 2, slurm_task=True) == torch.device("cuda", 0)
 
 
 def test_torchrun_with_more_processes_than_gpus_stops_every_rank(slurm_env, fake_gpus):

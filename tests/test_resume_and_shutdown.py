@@ -464,7 +464,8 @@ def train_here(monkeypatch, capfd):
     import train_common
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "LOCAL_WORLD_SIZE", "SLURM_PROCID", "TORCHELASTIC_RESTART_COUNT"):
+                "LOCAL_WORLD_SIZE", "SLURM_PROCID", "TORCHELASTIC_RESTART_COUNT",
+                "SLURM_RESTART_COUNT", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     root = logging.getLogger()
@@ -813,6 +814,35 @@ def test_a_set_up_nccl_refuses_is_one_line_not_a_lost_peer(tmp_path, tiny_data, 
     assert "lost contact" not in err and "Traceback" not in err
 
 
+def test_nccl_failing_mid_training_is_not_called_a_set_up_mistake(tmp_path, tiny_data,
+                                                                   train_here, monkeypatch):
+    """An NCCL error in epoch 1 (a GPU fault, NCCL out of memory) was reported as "NCCL refused
+    to set up the run ... give every process a GPU of its own", exit code 2: the run can be
+    continued, and the launchers take exit code 2 as a usage error."""
+    import train_common
+
+    real, calls = train_common.train_one_epoch, []
+
+    def fails_in_epoch_1(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.distributed.DistBackendError(
+                "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, "
+                "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version "
+                "2.27.5\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+                "Cuda failure 'an illegal memory access was encountered'")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train_common, "train_one_epoch", fails_in_epoch_1)
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    assert code == 1, err[-3000:]
+    assert ("error: NCCL failed during the run (Cuda failure 'an illegal memory access was "
+            "encountered'): most often a GPU fault or GPU memory running out") in err, err[-3000:]
+    assert ("Run the same command again: it continues from the last complete checkpoint in "
+            f"{out}") in err
+    assert "refused to set up" not in err and "Traceback" not in err
+
+
 def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, tiny_data,
                                                                      train_here, monkeypatch):
     import train_common
@@ -1132,6 +1162,13 @@ def test_bare_weights_are_checked_against_their_runs_class_names(run_a, tmp_path
                                  str(alone)))
     assert code == 0 and (f"no class_indices.json beside {alone} (or one folder up): its class "
                           "names cannot be checked") in err, err[-3000:]
+    lacking = tmp_path / "lacking"  # a test folder lacking a class: nothing to match them by
+    shutil.copytree(tiny_data, lacking, ignore=lambda d, names: ["daisy"] * ("daisy" in names))
+    code, err = train_here(flags(lacking, tmp_path / "eval", "--eval-only", "--weights",
+                                 str(alone)))
+    assert code == 2 and (f"error: --eval-only: the classifier of {alone} does not fit the 4 "
+                          "classes of the data, and its class names are unknown (no "
+                          "class_indices.json beside it or one folder up)") in err, err[-3000:]
     out = tmp_path / "fine-tune"  # training from them: the head starts new
     code, err = train_here(flags(data, out, "--epochs", "1", "--weights", str(weights)))
     assert code == 0, err[-3000:]
@@ -1160,6 +1197,19 @@ def test_freeze_layers_without_weights_is_one_error_line(tmp_path, tiny_data, tr
         "error: --freeze-layers trains only the classifier (fc) on the features of --weights, "
         "but no --weights was given, so the frozen layers would stay random; give pretrained "
         "--weights or drop --freeze-layers.")
+
+
+def test_a_world_size_the_launcher_did_not_start_is_one_error_line(tmp_path, tiny_data,
+                                                                    train_here):
+    """The classic launch script took --world-size; copied commands still pass it. The
+    launcher decides the number of processes: another number would be a wrong lr and plan."""
+    code, err = train_here(flags(tiny_data, tmp_path / "out", "--world-size", "4"))
+    assert code == 2, err[-3000:]
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.endswith("error: --world-size 4 but this run has 1 process(es); drop "
+                         "--world-size: the launcher's own flags (torchrun --nproc_per_node x "
+                         "--nnodes, srun -n) decide, and plain python runs one.")
+    assert not (tmp_path / "out").exists()
 
 
 def test_eval_only_val_rate_one_scores_every_image_of_a_test_folder(run_a, tmp_path, tiny_data,
@@ -1249,6 +1299,49 @@ def test_raising_epochs_on_resume_continues_on_the_new_cosine(tmp_path, tiny_dat
     # Epochs 0-1 ran on the 2-epoch plan; from epoch 2 on, the 4-epoch curve (not the old
     # plan's final lr * lrf for one epoch and then a jump back up).
     assert got[2:] == [pytest.approx(v, rel=1e-9) for v in planned[2:]]
+
+
+@pytest.mark.parametrize("counter", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_a_restart_continues_a_launch_started_with_resume_none(counter, tmp_path, tiny_data,
+                                                                train_here, monkeypatch):
+    """torchrun --max-restarts and a requeued SLURM job run the same command again. With
+    --resume none each restart set the epochs trained so far aside and began at epoch 0. Only
+    the launch's own epochs are continued: not another launch's, nor, after an attempt that died
+    before setting it aside, the run that --resume none replaces."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # names the launch (torchrun's: test below)
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1", "--resume", "none"))
+    assert code == 0, err[-3000:]
+    first = read_metrics(out)
+    assert json.loads((out / "args.json").read_text())["launch"] == "slurm job 4242"
+    monkeypatch.setenv(counter, "1")  # the launcher's restart of the same command
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2", "--resume", "none"))
+    assert code == 0, err[-3000:]
+    assert (f"restart 1 of this launch: continuing its own {out / 'checkpoint.pth'} (--resume "
+            "none started the launch anew, not each restart).") in err
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1] and read_metrics(out)[:1] == first
+    assert not (out / ".previous-run").exists()
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-0.pth", "model-1.pth"]
+    monkeypatch.setenv("SLURM_JOB_ID", "5151")  # another launch's restart: its folder is not
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1", "--resume", "none"))
+    assert code == 0 and "restart 1 of this launch" not in err, err[-3000:]
+    assert "starting afresh in" in err and [m["epoch"] for m in read_metrics(out)] == [0]
+
+
+def test_a_launch_is_named_by_slurm_or_torchrun(monkeypatch):
+    import train_common
+
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert train_common.launch_id() is None  # plain python: nothing names a launch
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "5c0ffee")  # --standalone, or --rdzv-id
+    assert train_common.launch_id() == "torchrun 5c0ffee"
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert train_common.launch_id() == "slurm job 77; torchrun 5c0ffee"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: its own process
+    named = train_common.launch_id()
+    assert named.startswith(f"slurm job 77; torchrun pid {os.getppid()} started ")
+    assert named == train_common.launch_id()  # the same for every restart it makes
 
 
 def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_files(run_a, tmp_path, tiny_data,
@@ -1938,6 +2031,21 @@ def test_a_resume_records_the_flags_it_kept_so_the_next_one_keeps_them_too(tmp_p
     code, err = train_here(flags(tiny_data, out, "--epochs", "3", "--batch-size", "8"))
     assert code == 0 and "leaves nothing to train" in err, err[-3000:]
     assert "images per optimizer step" not in err
+
+
+def test_accumulated_batches_scale_the_lr_like_processes(tmp_path, tiny_data, train_here):
+    """1 process accumulating 2 batches takes the optimizer steps of 2 processes, so it trains
+    with their learning rate: the rule a resume between the two follows too."""
+    code, err = train_here(flags(tiny_data, tmp_path / "a", "--epochs", "1",
+                                 "--grad-accum-steps", "2"))
+    assert code == 0, err[-3000:]
+    assert ("batch 4 per process, 8 per optimizer step; lr 0.002 (--lr 0.001 x 2 accumulated "
+            "batches)\n") in err
+    assert read_metrics(tmp_path / "a")[0]["lr"] == pytest.approx(0.002, rel=1e-12)
+    code, err = train_here(flags(tiny_data, tmp_path / "b", "--epochs", "1",
+                                 "--grad-accum-steps", "2", "--no-scale-lr"))
+    assert code == 0 and "; lr 0.001\n" in err, err[-3000:]
+    assert read_metrics(tmp_path / "b")[0]["lr"] == pytest.approx(0.001, rel=1e-12)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
