@@ -892,20 +892,20 @@ def _launcher_restarts() -> int:
 
 def launch_id() -> str | None:
     """What names one launch across its restarts, and only it (None: nothing does): the SLURM
-    job, torchrun's run id, or, for its default id "none", this machine's torchrun process."""
-    job = os.environ.get("SLURM_JOB_ID")
-    parts = [f"slurm job {job}"] if job else []
+    job (a requeue keeps it; torchrun inside it draws a new id each time), else torchrun's run
+    id, or, for its id "none", this machine's torchrun process, which restarts the workers."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm job {os.environ['SLURM_JOB_ID']}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
-        parts.append(f"torchrun {run_id}")
-    elif run_id:  # the parent restarts the workers; its pid and start time outlive them
+        return f"torchrun {run_id}"
+    if run_id:
         try:
             stat_fields = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
-            parts.append(f"torchrun pid {os.getppid()} started {stat_fields[19]} on "
-                         f"{platform.node()}")
         except (OSError, IndexError):
             return None
-    return "; ".join(parts) or None
+        return f"torchrun pid {os.getppid()} started {stat_fields[19]} on {platform.node()}"
+    return None
 
 
 def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
@@ -1524,6 +1524,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
     gc.collect()
     gc.freeze()
     for epoch in range(start_epoch, args.epochs):
+        if _signal_received:  # its interrupt was lost during evaluation or the save (_step_logger)
+            raise KeyboardInterrupt(_signal_received)
         train_sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
         t0 = time.perf_counter()
@@ -1701,14 +1703,17 @@ def _resumed_schedule(optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda, last_epoch=start_epoch - 1)
 
 
-def _step_logger(writer: Any) -> Callable[[int, float, float], None] | None:
-    """``log_fn`` for train_one_epoch: running loss and lr every --print-freq steps."""
-    if writer is None:
-        return None
-
+def _step_logger(writer: Any) -> Callable[[int, float, float], None]:
+    """``log_fn`` for train_one_epoch: running loss and lr every --print-freq steps; and a stop
+    signal whose KeyboardInterrupt was lost takes effect there."""
     def log_step(step: int, loss: float, lr: float) -> None:
-        writer.add_scalar("step/loss", loss, step)
-        writer.add_scalar("step/lr", lr, step)
+        if _signal_received:
+            # Raised inside a garbage-collector callback (a weakref's), Python only prints it
+            # ("Exception ignored in ...") and goes on: training would continue past the stop.
+            raise KeyboardInterrupt(_signal_received)
+        if writer is not None:
+            writer.add_scalar("step/loss", loss, step)
+            writer.add_scalar("step/lr", lr, step)
     return log_step
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -113,14 +114,19 @@ def load_file(path: str | os.PathLike) -> Any:
         if damage:
             raise CheckpointError(f"{path} is corrupt ({damage}); its bytes changed after it "
                                   "was saved (disk, copy or transfer error).")
+    not_zip = (f"{path} is not a readable PyTorch checkpoint (not a complete zip archive: "
+               "truncated, corrupt or another format).")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:  # there, but unreadable: permissions, a failing disk or network mount
-        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}).") from None
+        if is_zip or exc.errno != errno.EINVAL:
+            raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}).") from None
+        # Cut short near its end: torch reads what is left as an old-format pickle and seeks
+        # past the end of the file (EINVAL).
+        raise CheckpointError(not_zip) from None
     except Exception as exc:  # pickle errors, truncated zip, unsafe globals, ...
         if not is_zip:  # torch's own message would suggest weights_only=False: never for this
-            raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (not a complete "
-                                  "zip archive: truncated, corrupt or another format).") from None
+            raise CheckpointError(not_zip) from None
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # torch's message has colours
         if "Weights only load failed" in text:
             raise CheckpointError(f"{path} holds Python objects, not only tensors (e.g. a whole "

@@ -369,12 +369,17 @@ def test_damaged_bytes_and_foreign_files_are_clear_errors(tmp_path):
     assert "weights_only" not in str(info.value)  # torch's hint to load unsafely: not for this
 
 
-def test_truncated_checkpoint_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("cut", [300, -100, -10])
+def test_truncated_checkpoint_is_a_clear_error(tmp_path, cut):
+    """Cut near its end, torch.load raised OSError(EINVAL) ("cannot be read (Invalid
+    argument)", which sounds like a disk or permission problem)."""
     path = tmp_path / "checkpoint.pth"
     torch.save({"epoch": 0, "w": torch.zeros(1000)}, path)
-    path.write_bytes(path.read_bytes()[:300])
-    with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(CheckpointError) as info:
         load_file(path)
+    assert str(info.value) == (f"{path} is not a readable PyTorch checkpoint (not a complete zip "
+                               "archive: truncated, corrupt or another format).")
 
 
 # ---------------------------------------------------------------- 3 + 7a. SIGTERM, then resume
@@ -841,6 +846,27 @@ def test_nccl_failing_mid_training_is_not_called_a_set_up_mistake(tmp_path, tiny
     assert ("Run the same command again: it continues from the last complete checkpoint in "
             f"{out}") in err
     assert "refused to set up" not in err and "Traceback" not in err
+
+
+def test_a_stop_signal_whose_interrupt_python_swallowed_still_stops_the_run(
+        tmp_path, tiny_data, train_here, monkeypatch):
+    """SIGTERM handled while a weakref callback ran: the KeyboardInterrupt our handler raised was
+    only printed ("Exception ignored in: WeakKeyDictionary ...") and training went on. The
+    handler had recorded the signal: the next --print-freq step stops the run."""
+    import train_common
+
+    real = train_common.train_one_epoch
+
+    def signalled_in_epoch_1(model, optimizer, loader, device, epoch, **kwargs):
+        if epoch == 1:
+            monkeypatch.setattr(train_common, "_signal_received", "SIGTERM")  # as the handler
+        return real(model, optimizer, loader, device, epoch, **kwargs)
+    monkeypatch.setattr(train_common, "train_one_epoch", signalled_in_epoch_1)
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "3"))
+    assert code == 143, err[-3000:]
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0]
 
 
 def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, tiny_data,
@@ -1336,12 +1362,13 @@ def test_a_launch_is_named_by_slurm_or_torchrun(monkeypatch):
     assert train_common.launch_id() is None  # plain python: nothing names a launch
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "5c0ffee")  # --standalone, or --rdzv-id
     assert train_common.launch_id() == "torchrun 5c0ffee"
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    assert train_common.launch_id() == "slurm job 77; torchrun 5c0ffee"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: its own process
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # without rendezvous flags: its process
     named = train_common.launch_id()
-    assert named.startswith(f"slurm job 77; torchrun pid {os.getppid()} started ")
+    assert named.startswith(f"torchrun pid {os.getppid()} started ")
     assert named == train_common.launch_id()  # the same for every restart it makes
+    # A requeued SLURM job keeps its id, while torchrun --standalone inside it draws a new one.
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert train_common.launch_id() == "slurm job 77"
 
 
 def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_files(run_a, tmp_path, tiny_data,
