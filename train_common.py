@@ -919,8 +919,9 @@ def _resolve_resume(args: argparse.Namespace, out: Path) -> str | None:
         # A restart runs the same command again: "start anew" meant the launch, and starting
         # anew at each restart would throw its epochs away. The folder is the launch's own once
         # its args.json names the launch (written as the earlier run's files were set aside).
-        own = restarts and launch_id() is not None and \
-            run_args_near(out / "checkpoint.pth")[0].get("launch") == launch_id()
+        launch = launch_id() if restarts else None
+        own = launch is not None and \
+            run_args_near(out / "checkpoint.pth")[0].get("launch") == launch
         path = str(out / "checkpoint.pth") if own and (out / "checkpoint.pth").is_file() \
             else None
         path = broadcast_object(path)  # rank 0 decides, for every rank
