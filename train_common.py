@@ -1430,7 +1430,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         log.warning("--amp: some GPUs of the run lack bf16 (before Ampere), so this process too "
                     "uses fp16 with loss scaling.")
         amp_dtype = torch.float16
-    if amp_dtype is not None and device.type == "cpu" and not _cpu_has_native_bf16():
+    if (amp_dtype is not None and device.type == "cpu" and info.local_rank == 0  # per machine
+            and not _cpu_has_native_bf16()):
         # Measured on an AVX2 CPU (ResNet18, 32 px): 2 img/s with --amp against 39 without.
         log.warning("--amp on this CPU: it has no native bfloat16 (AVX512-BF16 or AMX), so "
                     "autocast emulates it, often 10x slower than float32; drop --amp on CPU.")
