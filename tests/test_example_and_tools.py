@@ -233,6 +233,10 @@ def test_eval_only_reports_accuracy_without_training(tb_run, tiny_data, tmp_path
     (record,) = [json.loads(line) for line in (tb_run / "metrics.jsonl").read_text().splitlines()]
     top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", text).group(1))
     assert top1 == pytest.approx(record["val_acc"], abs=1e-4)  # same weights, same val split
+    # The accuracy of a few images is near chance either way: the loss tells the checkpoint's
+    # weights from a freshly initialised model's.
+    val_loss = float(re.search(r"val loss: ([\d.]+)", text).group(1))
+    assert val_loss == pytest.approx(record["val_loss"], abs=1e-4)
     classes = json.loads((tb_run / "class_indices.json").read_text()).values()
     per_class = {m[0]: (float(m[1]), int(m[2]))
                  for m in re.findall(r"^\s+(\w+): ([\d.]+) \((\d+) images?\)$", text, re.M)}

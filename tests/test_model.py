@@ -173,7 +173,7 @@ def test_default_init_matches_torchvision_recipe() -> None:
 def test_zero_init_residual_makes_blocks_identity_branches(name: str) -> None:
     net = model.get_model(name, zero_init_residual=True)
     blocks = [m for m in net.modules() if isinstance(m, (model.BasicBlock, model.Bottleneck))]
-    assert len(blocks) in (8, 16)
+    assert len(blocks) == {"resnet18": 8, "resnet50": 16}[name]
     for block in blocks:
         last_norm = block.bn3 if isinstance(block, model.Bottleneck) else block.bn2
         assert torch.all(last_norm.weight == 0)

@@ -5,6 +5,8 @@ The metrics below are synthetic (this is a test); the script itself must plot on
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import logging
 import os
@@ -172,18 +174,25 @@ def test_unusable_out_dir_exits_2_with_one_line(
     assert blocker.read_text() == "a file where the folder should be"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_out_dir_exits_2_with_one_line(
-    runs: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+    runs: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A folder the user may not write into. Injected as the kernel answers a chmod 555 folder:
+    this suite may run as root, who writes into read-only folders."""
     out = tmp_path / "plots"
     out.mkdir()
-    out.chmod(0o555)
-    try:
-        with caplog.at_level(logging.WARNING):
-            code = _main_exit_code(*runs, "--out-dir", out)
-    finally:
-        out.chmod(0o755)
+    real_open = builtins.open
+
+    def read_only_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file).parent == out and "r" not in mode:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only_open)
+    with caplog.at_level(logging.WARNING):
+        code = _main_exit_code(*runs, "--out-dir", out)
+    monkeypatch.undo()
 
     assert code == 2
     (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

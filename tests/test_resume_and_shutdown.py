@@ -258,9 +258,14 @@ def test_checkpoint_holds_everything_needed_to_resume(run_a):
     assert not torch.equal(first["fc.weight"], last["fc.weight"])  # it did train
 
 
-def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(monkeypatch):
+def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(monkeypatch, tmp_path):
     """RNG states of a --device cpu run: no CUDA generator (reading it would create a CUDA
-    context on GPU 0, which fails on an exclusive or busy GPU), and the round trip is exact."""
+    context on GPU 0, which fails on an exclusive or busy GPU), and the round trip through a
+    checkpoint file is exact for torch's, Python's and NumPy's generators."""
+    import random
+
+    import numpy as np
+
     from multi_train_utils.checkpoint import capture_rng_state, restore_rng_state
 
     def no_gpu(*args, **kwargs):
@@ -270,9 +275,13 @@ def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state", no_gpu)
     state = capture_rng_state(torch.device("cpu"))
     assert "cuda" not in state
-    drawn = torch.rand(3)
+    save_atomic({"rng_states": [state]}, tmp_path / "checkpoint.pth")
+    drawn = (torch.rand(3), random.random(), np.random.rand(3))
+    (state,) = load_ckpt(tmp_path / "checkpoint.pth")["rng_states"]  # weights_only: lists
     restore_rng_state({**state, "cuda": b"from a GPU run"}, torch.device("cpu"))
-    assert torch.equal(torch.rand(3), drawn)
+    again = (torch.rand(3), random.random(), np.random.rand(3))
+    assert torch.equal(again[0], drawn[0]) and again[1] == drawn[1]
+    assert np.array_equal(again[2], drawn[2])
 
 
 # ---------------------------------------------------------------- 2. atomic save
@@ -1135,7 +1144,11 @@ def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(run_a, tmp_p
     assert "evaluating" not in err and f"loaded {weights} into --model resnet18: 122 of its 122 " \
         "tensors\n" in err
     top1 = float(re.search(r"top-1 accuracy: ([\d.]+)", err).group(1))
-    assert top1 == pytest.approx(read_metrics(out)[0]["val_acc"], abs=1e-4)
+    val_loss = float(re.search(r"val loss: ([\d.]+)", err).group(1))
+    first, last = read_metrics(out)[0], read_metrics(out)[-1]
+    assert (top1, val_loss) == (pytest.approx(first["val_acc"], abs=1e-4),
+                                pytest.approx(first["val_loss"], abs=1e-4))
+    assert val_loss != pytest.approx(last["val_loss"], abs=1e-3)  # epoch 0's, not the last's
 
 
 def test_a_resumed_run_needs_its_weights_file_no_more(run_a, tmp_path, tiny_data, train_here):
@@ -1714,7 +1727,8 @@ def test_a_lost_peer_is_one_line_and_the_rerun_continues(peer, tmp_path, tiny_da
     assert re.search(rf"lost contact with the other processes of the run \([^)]*({reason})",
                      errors[0]), errors[0]
     assert f"it continues from the last complete checkpoint in {out}." in errors[0]
-    assert load_ckpt(out / "checkpoint.pth")["epoch"] >= 0
+    saved = read_metrics(out)  # the checkpoint is whole and is the last epoch recorded
+    assert saved and load_ckpt(out / "checkpoint.pth")["epoch"] == saved[-1]["epoch"]
 
 
 def test_a_second_signal_during_the_clean_up_is_no_traceback(tmp_path):
@@ -2060,12 +2074,24 @@ def test_a_resume_records_the_flags_it_kept_so_the_next_one_keeps_them_too(tmp_p
     assert "images per optimizer step" not in err
 
 
-def test_accumulated_batches_scale_the_lr_like_processes(tmp_path, tiny_data, train_here):
+def test_accumulated_batches_scale_the_lr_like_processes(tmp_path, tiny_data, train_here,
+                                                        monkeypatch):
     """1 process accumulating 2 batches takes the optimizer steps of 2 processes, so it trains
     with their learning rate: the rule a resume between the two follows too."""
+    import train_common
+    from multi_train_utils import train_eval_utils
+
+    calls = []  # the real loop runs; its numerics are tested in test_distributed_correctness
+
+    def recorded(*args, **kwargs):
+        calls.append({k: kwargs[k] for k in ("grad_accum_steps", "clip_grad_norm")})
+        return train_eval_utils.train_one_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train_common, "train_one_epoch", recorded)
     code, err = train_here(flags(tiny_data, tmp_path / "a", "--epochs", "1",
-                                 "--grad-accum-steps", "2"))
+                                 "--grad-accum-steps", "2", "--clip-grad-norm", "0.5"))
     assert code == 0, err[-3000:]
+    assert calls == [{"grad_accum_steps": 2, "clip_grad_norm": 0.5}]  # the flags reach the loop
     assert ("batch 4 per process, 8 per optimizer step; lr 0.002 (--lr 0.001 x 2 accumulated "
             "batches)\n") in err
     assert read_metrics(tmp_path / "a")[0]["lr"] == pytest.approx(0.002, rel=1e-12)
@@ -2073,6 +2099,52 @@ def test_accumulated_batches_scale_the_lr_like_processes(tmp_path, tiny_data, tr
                                  "--grad-accum-steps", "2", "--no-scale-lr"))
     assert code == 0 and "; lr 0.001\n" in err, err[-3000:]
     assert read_metrics(tmp_path / "b")[0]["lr"] == pytest.approx(0.001, rel=1e-12)
+
+
+def test_each_epoch_reshuffles_and_augments_anew(tmp_path, tiny_data, train_here, monkeypatch):
+    """The training loop moves the sampler and the augmentations on each epoch: without
+    set_epoch, DistributedSampler repeats epoch 0's order and every epoch sees the same crops."""
+    import train_common
+    from multi_train_utils import train_eval_utils
+
+    seen = []  # what each epoch's loader yields, read as the loop is handed it
+
+    def recorded(model, optimizer, data_loader, *args, **kwargs):
+        seen.append(([i for batch in data_loader.batch_sampler for i in batch],
+                     data_loader.dataset[0][0]))
+        return train_eval_utils.train_one_epoch(model, optimizer, data_loader, *args, **kwargs)
+
+    monkeypatch.setattr(train_common, "train_one_epoch", recorded)
+    code, err = train_here(flags(tiny_data, tmp_path / "out", "--epochs", "2"))
+    assert code == 0, err[-3000:]
+    (order0, image0), (order1, image1) = seen
+    assert sorted(order0) == sorted(order1) and order0 != order1
+    assert not torch.equal(image0, image1)  # the same file, cropped and flipped anew
+
+
+def test_each_rank_trains_on_its_own_share(tmp_path, tiny_data, monkeypatch):
+    """Two ranks' training batches split the training set between them (no image trained
+    twice per epoch) and follow one shuffled order, drawn from the seed, not from the rank."""
+    import train_common
+
+    args = get_args_parser().parse_args(flags(tiny_data, tmp_path / "out"))
+    rank0 = _build_data(args, DistInfo(rank=0, world_size=2), tmp_path / "out")
+    # Rank 1 is handed rank 0's scan, as the broadcast of a real process group would.
+    monkeypatch.setattr(train_common, "_scan_on_rank0", lambda *a: rank0[0])
+    rank1 = _build_data(args, DistInfo(rank=1, world_size=2), tmp_path / "out")
+    train_set = rank0[1]
+    assert list(rank1[1].images_path) == list(train_set.images_path)  # one split for both
+    for epoch in (0, 1):
+        shares = []
+        for _, _, _, sampler, loader, _ in (rank0, rank1):
+            sampler.set_epoch(epoch)
+            shares.append([i for batch in loader.batch_sampler for i in batch])
+        assert len(shares[0]) == len(shares[1]) == len(train_set) // 8 * 4  # full batches of 4
+        assert not set(shares[0]) & set(shares[1])
+        # Interleaved, the two shares are one permutation of the training set.
+        order = [i for pair in zip(*shares) for i in pair]
+        assert order == torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
+            args.seed + epoch)).tolist()[:len(order)]
 
 
 @pytest.mark.parametrize("accum", [1, 2])
