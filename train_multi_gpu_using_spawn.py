@@ -12,16 +12,19 @@ and the launcher exits non-zero; Ctrl-C or SIGTERM stops every child cleanly.
 """
 
 import argparse
+import datetime
 import logging
 import multiprocessing
 import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import find_free_port, parse_dist_url, set_launch_env
@@ -36,10 +39,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 
 def _worker(local_rank: int, args: argparse.Namespace, nprocs: int, addr: str, port: int,
-            launcher_pid: int) -> None:
+            launcher_pid: int, launcher_hosts_store: bool) -> None:
+    extra = [("LOCAL_WORLD_SIZE", str(nprocs))]
+    if launcher_hosts_store:  # node 0's launcher serves addr:port (_meet_other_nodes)
+        extra.append(("TORCHELASTIC_USE_AGENT_STORE", "True"))
     set_launch_env(rank=args.node_rank * nprocs + local_rank, local_rank=local_rank,
                    world_size=args.nnodes * nprocs, master_addr=addr, master_port=port,
-                   extra=[("LOCAL_WORLD_SIZE", str(nprocs))])
+                   extra=extra)
     # A spawned rank inherits "spawn" as its start method, so its DataLoader workers would
     # re-import torch each (about 7 s apiece on 2 cores, billed to epoch 0); start them the
     # platform's default way, as torchrun's ranks do.
@@ -90,6 +96,50 @@ def _rendezvous(args: argparse.Namespace) -> tuple[str, int]:
     return addr, find_free_port(addr)
 
 
+def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
+                      port: int) -> dist.TCPStore:
+    """--nnodes > 1: every node's launcher checks in at node 0's store before its processes
+    start, and all stop with one line unless every node starts the same number of them.
+
+    Each node counts its own GPUs, and global ranks assume one count: with 8 GPUs on one machine
+    and 7 on another (one failed), the ranks would claim overlapping numbers and wait out
+    --dist-timeout (30 min) at the rendezvous. Node 0's launcher keeps hosting the store for the
+    run, as torchrun's agent does: its processes connect to it as clients
+    (TORCHELASTIC_USE_AGENT_STORE), so the port has one owner from start to end.
+    """
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    try:
+        store = dist.TCPStore(addr, port, is_master=args.node_rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+        store.set(f"ddp-template/spawn/node{args.node_rank}", str(nprocs))
+        keys = [f"ddp-template/spawn/node{n}" for n in range(args.nnodes)]
+        log.info("waiting for the other node(s) at %s:%d", addr, port)
+        store.wait(keys)
+        counts = [int(store.get(key)) for key in keys]
+        store.add("ddp-template/spawn/read", 1)
+    except (RuntimeError, dist.DistError) as exc:  # unreachable node 0, or a node never came
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(". ")
+        log.error("error: the %d nodes did not all check in at %s:%d within --dist-timeout %gs "
+                  "(%s); start the same command on every node, each with its --node-rank, "
+                  "and make the port reachable from all.", args.nnodes, addr, port,
+                  args.dist_timeout, reason[:200])
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C while waiting: nothing started yet
+        log.error("stopped while waiting for the other node(s); no process was started.")
+        sys.exit(130)
+    if len(set(counts)) > 1:
+        if args.node_rank == 0:  # host the store until every node has read the counts
+            deadline = time.monotonic() + 10
+            while store.add("ddp-template/spawn/read", 0) < args.nnodes and time.monotonic() < deadline:
+                time.sleep(0.1)
+        _fail("the nodes would start different numbers of processes ("
+              + ", ".join(f"node {n}: {c}" for n, c in enumerate(counts))
+              + "; one per visible GPU unless --world-size is given); every node must start "
+              "the same number: pass the same --world-size on each, or even out "
+              "CUDA_VISIBLE_DEVICES.")
+    return store
+
+
 def _check_port_free(port: int) -> None:
     """Node 0 hosts the store on ``port``: a busy one would fail only after every child started
     (tens of seconds, a traceback per rank), so it is checked here."""
@@ -127,10 +177,14 @@ def main(args: argparse.Namespace) -> None:
     args = argparse.Namespace(**{**vars(args), "world_size": nprocs, "dist_url": "env://"})
     if args.node_rank == 0:
         _check_port_free(port)
-    log.info("starting %d process(es) on node %d/%d, rendezvous at %s:%d", nprocs,
-             args.node_rank, args.nnodes, addr, port)
+    store = _meet_other_nodes(args, nprocs, addr, port) if args.nnodes > 1 else None
+    first = args.node_rank * nprocs
+    ranks = f"rank {first}" if nprocs == 1 else f"ranks {first}-{first + nprocs - 1}"
+    log.info("starting %d process(es) on node %d/%d (%s of %d), rendezvous at %s:%d", nprocs,
+             args.node_rank, args.nnodes, ranks, args.nnodes * nprocs, addr, port)
 
-    context = mp.start_processes(_worker, args=(args, nprocs, addr, port, os.getpid()),
+    context = mp.start_processes(_worker, args=(args, nprocs, addr, port, os.getpid(),
+                                                store is not None),
                                  nprocs=nprocs, join=False, start_method="spawn")
 
     def forward(signum: int, frame: object) -> None:

@@ -336,17 +336,19 @@ def _collective_device() -> torch.device:
 def reduce_value(value: torch.Tensor | float, average: bool = True) -> torch.Tensor:
     """Sum (or mean, with ``average``) of ``value`` over all ranks, returned on every rank.
 
-    The input is not modified. In a single process it comes back unchanged (as a tensor).
+    The input is not modified. In a single process it comes back unchanged (as a tensor);
+    otherwise on the input's device, whatever device the backend reduces on (NCCL refuses a
+    CPU tensor, such as a count built with ``torch.tensor(n)``).
     """
     tensor = value if torch.is_tensor(value) else torch.tensor(value, device=_collective_device())
     if get_world_size() < 2:
         return tensor
     with torch.no_grad():
-        out = tensor.detach().clone()
+        out = tensor.detach().to(_collective_device(), copy=True)
         dist.all_reduce(out)
         if average:  # true division: a mean of integer counts is fractional
             out = out / get_world_size()
-    return out
+    return out.to(tensor.device)
 
 
 def broadcast_object(obj: Any = None, src: int = 0) -> Any:

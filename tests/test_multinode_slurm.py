@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import inspect
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -246,7 +247,8 @@ def test_weights_one_machine_cannot_read_stop_every_rank(tiny_data, tmp_path, mo
 
 
 # ---------------------------------------------------------------- SLURM environment parsing
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def _clear_env(monkeypatch, keys) -> None:
@@ -469,8 +471,7 @@ def test_nccl_set_up_errors_give_nccls_own_reason(text, reason):
 def test_spawn_node_rank_sets_global_ranks(monkeypatch):
     """``--nnodes 2 --node-rank 1`` with 2 processes per node: ranks 2 and 3 of 4.
 
-    (In-process: an end-to-end two-node spawn run re-imports the training stack in four
-    interpreters, over a minute on 2 cores; the torchrun and SLURM runs above cover the rest.)
+    (In-process, with 2 processes per node; the end-to-end two-node run below has 1 each.)
     """
     import train_multi_gpu_using_spawn as spawn
 
@@ -485,12 +486,13 @@ def test_spawn_node_rank_sets_global_ranks(monkeypatch):
     try:
         for local_rank in range(2):
             multiprocessing.set_start_method("spawn", force=True)  # as a spawned rank has it
-            spawn._worker(local_rank, args, 2, "10.1.2.3", 29400, 4242)
+            spawn._worker(local_rank, args, 2, "10.1.2.3", 29400, 4242, True)
     finally:
         multiprocessing.set_start_method(default, force=True)
-    # DataLoader workers start the platform's default way (fork on Linux), not by spawn.
+    # DataLoader workers start the platform's default way (fork on Linux), not by spawn. Node
+    # 0's launcher hosts the store: each process connects to it as torchrun's do to their agent.
     common = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3",
-              "MASTER_PORT": "29400", "start": default}
+              "MASTER_PORT": "29400", "TORCHELASTIC_USE_AGENT_STORE": "True", "start": default}
     assert seen == [{"RANK": "2", "LOCAL_RANK": "0", **common},
                     {"RANK": "3", "LOCAL_RANK": "1", **common}]
     assert watched == [4242, 4242]
@@ -511,6 +513,70 @@ def test_spawn_several_nodes_need_a_shared_address(monkeypatch, caplog):
         spawn.main(args)  # exits before starting any process
     assert exit_info.value.code == 2
     assert "--dist-url tcp://HOST:PORT" in caplog.text
+
+
+def _spawn_nodes(tiny_data: Path, tmp_path: Path, per_node: list[int], *extra: str
+                 ) -> tuple[list[int], list[str], list[Path]]:
+    """Two spawn launchers on this host as nodes 0 and 1, ``per_node[n]`` CPU processes each:
+    (exit codes, logs, output folders)."""
+    port = find_free_port()
+    outs = [tmp_path / f"node{n}" / "out" for n in range(2)]
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    procs = [_start([sys.executable, "train_multi_gpu_using_spawn.py", *TINY_FLAGS,
+                     "--data-path", str(tiny_data), "--output-dir", str(outs[n]),
+                     "--world-size", str(per_node[n]), "--nnodes", "2", "--node-rank", str(n),
+                     "--dist-url", f"tcp://127.0.0.1:{port}", *extra], logs[n])
+             for n in range(2)]
+    try:
+        codes = [proc.wait(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:  # never leave a node waiting for its dead peer
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return codes, [log.read_text() for log in logs], outs
+
+
+def test_spawn_two_nodes_train_as_one_job(tiny_data, tmp_path):
+    codes, logs, outs = _spawn_nodes(tiny_data, tmp_path, [1, 1], "--epochs", "1")
+    assert codes == [0, 0], "\n".join(logs)[-4000:]
+    assert "starting 1 process(es) on node 0/2 (rank 0 of 2)" in logs[0]
+    assert "starting 1 process(es) on node 1/2 (rank 1 of 2)" in logs[1]
+    _check_one_writer(outs, 0, epochs=1)  # a 2-process run, written by node 0 only
+
+
+def test_spawn_nodes_with_other_process_counts_stop_before_starting(tiny_data, tmp_path):
+    """8 GPUs on one machine and 7 on the other: the ranks would claim overlapping numbers and
+    wait out --dist-timeout at the rendezvous. The launchers compare counts first."""
+    codes, logs, outs = _spawn_nodes(tiny_data, tmp_path, [2, 1])
+    assert codes == [2, 2], "\n".join(logs)[-4000:]
+    for log in logs:
+        (error,) = [line for line in log.splitlines() if "error" in line]
+        assert error.endswith(
+            "error: the nodes would start different numbers of processes (node 0: 2, node 1: "
+            "1; one per visible GPU unless --world-size is given); every node must start the "
+            "same number: pass the same --world-size on each, or even out CUDA_VISIBLE_DEVICES.")
+        assert "starting" not in log and "Traceback" not in log
+    assert not any(out.exists() for out in outs)
+
+
+def test_spawn_node_whose_peers_never_come_stops_after_the_timeout(monkeypatch, caplog):
+    import train_multi_gpu_using_spawn as spawn
+
+    _clear_env(monkeypatch, LAUNCH_VARS)
+    port = find_free_port()
+    args = spawn.get_args_parser().parse_args([
+        "--device", "cpu", "--world-size", "1", "--nnodes", "2", "--node-rank", "0",
+        "--dist-url", f"tcp://127.0.0.1:{port}", "--dist-timeout", "1"])
+    monkeypatch.setattr(spawn.mp, "start_processes", _must_not_start)
+    with pytest.raises(SystemExit) as exit_info:
+        spawn.main(args)
+    assert exit_info.value.code == 1
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert error.startswith(f"error: the 2 nodes did not all check in at 127.0.0.1:{port} "
+                            "within --dist-timeout 1s (")
+    assert error.endswith("); start the same command on every node, each with its "
+                          "--node-rank, and make the port reachable from all.")
 
 
 # ---------------------------------------------------------------- machines that disagree
