@@ -108,6 +108,9 @@ def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
     (TORCHELASTIC_USE_AGENT_STORE), so the port has one owner from start to end.
     """
     timeout = datetime.timedelta(seconds=args.dist_timeout)
+    # On failure the store is dropped before exiting: the SystemExit's traceback holds this
+    # frame, and a store it kept alive would keep hosting (a thread) in a caller that goes on.
+    store = None
     try:
         store = dist.TCPStore(addr, port, is_master=args.node_rank == 0, timeout=timeout,
                               wait_for_workers=False)
@@ -118,6 +121,7 @@ def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
         counts = [int(store.get(key)) for key in keys]
         store.add("ddp-template/spawn/read", 1)
     except (RuntimeError, dist.DistError) as exc:  # unreachable node 0, or a node never came
+        store = None
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(". ")
         log.error("error: the %d nodes did not all check in at %s:%d within --dist-timeout %gs "
                   "(%s); start the same command on every node, each with its --node-rank, "
@@ -125,6 +129,7 @@ def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
                   args.dist_timeout, reason[:200])
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C while waiting: nothing started yet
+        store = None
         log.error("stopped while waiting for the other node(s); no process was started.")
         sys.exit(130)
     if len(set(counts)) > 1:
@@ -132,6 +137,7 @@ def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
             deadline = time.monotonic() + 10
             while store.add("ddp-template/spawn/read", 0) < args.nnodes and time.monotonic() < deadline:
                 time.sleep(0.1)
+        store = None
         _fail("the nodes would start different numbers of processes ("
               + ", ".join(f"node {n}: {c}" for n, c in enumerate(counts))
               + "; one per visible GPU unless --world-size is given); every node must start "

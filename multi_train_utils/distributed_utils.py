@@ -201,6 +201,32 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"start{start}-world{world}", store)
 
 
+def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str,
+                     requested: str = "auto") -> None:
+    """Return once every rank has checked in with the same backend; else raise LaunchError on
+    every rank (within seconds).
+
+    Each process picks its own backend from its own device: under ``--device auto`` a machine
+    whose GPUs are missing or whose driver failed falls back to CPU and gloo, while the others
+    use NCCL. The two backends never meet: both sides would wait out the whole timeout (30 min
+    by default) at the rendezvous and then blame the network. Compared in ``store`` first (two
+    round trips per rank, whatever the world size), the mismatch is one sentence.
+    """
+    me = f"rank {rank} on {socket.gethostname()} uses {backend} (--device {requested})"
+    first = store.compare_set("ddp-template/backend", "", f"{backend}|{me}").decode()
+    if first.split("|", 1)[0] != backend:
+        store.compare_set("ddp-template/backend-differs", "", me)  # the first to differ
+    if store.add("ddp-template/backend-checked", 1) == world_size:
+        store.set("ddp-template/backend-all-checked", "1")
+    store.wait(["ddp-template/backend-all-checked"])  # a rank that never comes: the timeout
+    if store.check(["ddp-template/backend-differs"]):
+        other = store.get("ddp-template/backend-differs").decode()
+        raise LaunchError(f"the processes disagree on the backend: {first.split('|', 1)[1]}, "
+                          f"but {other}. Under --device auto a machine without a working GPU "
+                          "falls back to CPU (gloo): fix its GPUs (nvidia-smi), or pass the same "
+                          "--device cuda or cpu on every machine.")
+
+
 def init_distributed_mode(args: Any = None, *, device: str | None = None,
                           dist_url: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Create the default process group if a launcher started us; return where we are.
@@ -246,11 +272,15 @@ def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _elastic_store(timeout) if dist_url == "env://" else None
+    if store is None:  # the rendezvous init_process_group would do, with its key prefix
+        rendezvoused, _, _ = next(dist.rendezvous(dist_url, rank, world_size, timeout=timeout))
+        rendezvoused.set_timeout(timeout)
+        store = dist.PrefixStore("default_pg", rendezvoused)
+    agree_on_backend(store, rank, world_size, backend, requested=device)
     # device_id binds the group to this GPU: NCCL connects here, so a set-up it refuses fails
     # now, not at the first collective, and barrier() knows its device.
-    where = dict(store=store) if store is not None else dict(init_method=dist_url)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=dev if dev.type == "cuda" else None, **where)
+                            device_id=dev if dev.type == "cuda" else None, store=store)
     log.debug("rank %d/%d (local %d) on %s with %s", rank, world_size, local_rank, dev, backend)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev,
                     backend=backend)

@@ -613,6 +613,36 @@ def test_ranks_started_with_other_training_flags_stop_with_one_line(tmp_path):
     assert "(--resume auto on rank 0 but none on rank 1)" in got[0] and got[0] == got[1]
 
 
+def _backend_worker(rank: int, world: int, backends: list[str], prefix: str) -> str | None:
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    time.sleep(0.5 * rank)  # check in by rank, so the message names ranks 0 and 1
+    try:
+        distributed_utils.agree_on_backend(store, rank, world, backends[rank])
+    except distributed_utils.LaunchError as exc:
+        return str(exc).replace(socket.gethostname(), "HOST")
+    return None
+
+
+def test_ranks_on_other_backends_stop_with_one_line_at_once(tmp_path):
+    """--device auto on a machine whose GPUs failed picks gloo, beside NCCL elsewhere: the two
+    backends never meet, and both sides waited out --dist-timeout (30 min), then blamed the
+    network. Every rank now stops at the rendezvous with what differs."""
+    from dist_helpers import run_ranks
+
+    got = run_ranks(_backend_worker, 3, tmp_path / "differ", ["nccl", "gloo", "gloo"], "a")
+    assert got == 3 * [
+        "the processes disagree on the backend: rank 0 on HOST uses nccl (--device auto), but "
+        "rank 1 on HOST uses gloo (--device auto). Under --device auto a machine without a "
+        "working GPU falls back to CPU (gloo): fix its GPUs (nvidia-smi), or pass the same "
+        "--device cuda or cpu on every machine."]  # on every rank: none is left waiting
+    assert run_ranks(_backend_worker, 3, tmp_path / "same", ["gloo"] * 3, "b") == [None] * 3
+
+
 def _resume_worker(rank: int, world: int, outs: list[str]) -> str | None:
     import train_common
     from multi_train_utils.checkpoint import CheckpointError
@@ -744,6 +774,11 @@ def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(slurm_env, fake
     slurm_env.setattr(torch.cuda, "device_count", lambda: 1)
     slurm_env.setattr(distributed_utils.dist, "init_process_group",
                       lambda backend, **kwargs: calls.append((backend, kwargs)))
+    # No rank 0 to meet: the rendezvous yields a store of this process, the check passes.
+    slurm_env.setattr(distributed_utils.dist, "rendezvous",
+                      lambda url, rank, world, **kwargs: iter([(torch.distributed.HashStore(),
+                                                                rank, world)]))
+    slurm_env.setattr(distributed_utils, "agree_on_backend", lambda *args, **kwargs: None)
     for key, value in dict(SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="3",
                            CUDA_VISIBLE_DEVICES="3", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="29500").items():
