@@ -250,8 +250,8 @@ def _walk_images(folder: Path) -> tuple[list[Path], list[Path]]:
     images training would use: ``._name.jpg`` AppleDouble files and ``.git``-style folders are not
     images, and ``others`` are the files whose extension is not in ``IMG_EXTENSIONS`` (.heic,
     .jp2, none), which training skips too. Symlinked folders are followed once (their real path
-    is remembered), so a link back up the tree cannot loop. Dangling symlinks are kept, so they are
-    reported like unreadable images.
+    is remembered), so a link back up the tree cannot loop. Dangling symlinks and FIFOs are kept,
+    so they are reported like unreadable images.
     """
     found: list[Path] = []
     others: list[Path] = []
@@ -269,7 +269,7 @@ def _walk_images(folder: Path) -> tuple[list[Path], list[Path]]:
                 continue
             if path.suffix.lower() not in IMG_EXTENSIONS:
                 others.append(path)
-            elif path.is_file() or (path.is_symlink() and not path.exists()):
+            else:  # a FIFO or a dangling link too: reported per image, not dropped unsaid
                 found.append(path)
     return sorted(found), sorted(others)
 
@@ -343,8 +343,11 @@ def iter_predictions(
         slots: list[int] = []
         for i, path in enumerate(chunk):
             try:
-                if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the read
-                    raise OSError("not a regular file")
+                # Training's up-front check first: a FIFO would block the read, and a
+                # decompression bomb (over PIL's limit) would be decoded in full.
+                why = check_image(str(path)) if os.path.lexists(path) else None
+                if why:
+                    raise OSError(why)
                 tensors.append(transform(load_image(path)))
                 slots.append(i)
             except Exception as exc:  # decoders of untrusted files raise many types (OSError, SyntaxError, ...)

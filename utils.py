@@ -15,6 +15,7 @@ import stat
 import tempfile
 import unicodedata
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,6 +56,20 @@ class FolderScan:
     images: list[list[str]]  # images[i]: sorted image paths of classes[i]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     dropped_classes: list[str] = field(default_factory=list)
+
+    def skipped_note(self, examples: int = 3) -> str:
+        """``"; skipped 2 file(s): 1 empty file, 1 not a readable image (e.g. a/x.jpg: empty
+        file; ...)"`` for an error message: why the images it did not find are missing, with one
+        file per reason for the first ``examples`` reasons ("" if nothing was skipped)."""
+        if not self.skipped:
+            return ""
+        first: dict[str, str] = {}
+        for path, why in self.skipped:
+            first.setdefault(why.split(" (")[0], f"{path}: {why}")
+        counts = Counter(why.split(" (")[0] for _, why in self.skipped)
+        return (f"; skipped {len(self.skipped)} file(s): "
+                + ", ".join(_counted(n, why) for why, n in sorted(counts.items()))
+                + f" (e.g. {'; '.join(sorted(first.values())[:examples])})")
 
     def summary(self) -> str:
         """One paragraph for the log: counts, then what was skipped and why."""
@@ -113,16 +128,24 @@ def _walk_files(folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str
     return sorted(found), skipped
 
 
-def _real_file(path: str, real_dir: str) -> str | None:
-    """``os.path.realpath(path)``, or None for a dangling link, for the price of one ``lstat``:
-    the folder's real path is known from the walk, so only symlinked files need resolving
-    (realpath on every file costs a syscall per path component, seconds on ImageNet)."""
+def _real_file(path: str, real_dir: str) -> tuple[str | None, str | None]:
+    """``(os.path.realpath(path), None)``, or ``(None, why)`` for a dangling link, a FIFO or
+    device (reading one blocks forever) or an empty file; for the price of one ``lstat``: the
+    folder's real path is known from the walk, so only symlinked files need resolving (realpath
+    on every file costs a syscall per path component, seconds on ImageNet). These checks hold
+    without ``--verify-images`` too: they cost nothing more than the walk."""
     try:
-        if not stat.S_ISLNK(os.lstat(path).st_mode):
-            return os.path.join(real_dir, os.path.basename(path))
-    except OSError:  # gone since it was listed
-        return None
-    return os.path.realpath(path) if os.path.exists(path) else None
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            st = os.stat(path)
+            real = os.path.realpath(path)
+        else:
+            real = os.path.join(real_dir, os.path.basename(path))
+    except OSError:  # a dangling link, or gone since it was listed
+        return None, "dangling link"
+    if not stat.S_ISREG(st.st_mode):
+        return None, "not a regular file"
+    return (None, "empty file") if st.st_size == 0 else (real, None)
 
 
 def _is_utf8(name: str) -> bool:
@@ -197,9 +220,9 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                 skipped.append((path, f"{what} name is not valid UTF-8; rename it"))
             elif not base.lower().endswith(IMG_EXTENSIONS):
                 skipped.append((path, "not an image extension"))
-            elif (real := _real_file(path, real_dir)) is None:
-                skipped.append((path, "dangling link"))
-            elif real in first_of:
+            elif (found := _real_file(path, real_dir))[0] is None:
+                skipped.append((path, found[1]))
+            elif (real := found[0]) in first_of:
                 skipped.append((path, f"duplicate (same file as {printable_path(first_of[real])})"))
             else:
                 first_of[real] = path
@@ -232,11 +255,14 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                       dropped_classes=dropped)
     if not classes:
         raise DataError(f"no readable images found under {root} (looked for "
-                        f"{', '.join(IMG_EXTENSIONS)} in {len(class_names)} class folders).")
+                        f"{', '.join(IMG_EXTENSIONS)} in {len(class_names)} class folders)"
+                        f"{scan.skipped_note()}.")
     if len(classes) < min_classes:
-        raise DataError(f"only one class with images under {root} ({classes[0]}); "
-                        f"classification needs at least two class folders with images"
-                        f"{parent_hint}")
+        dropped_note = (f"; dropped class folder(s) with no usable image: {', '.join(dropped)}"
+                        if dropped else "")
+        raise DataError(f"only one class with images under {root} ({classes[0]}){dropped_note}"
+                        f"{scan.skipped_note()}; classification needs at least two class folders "
+                        f"with images{parent_hint}")
     return scan
 
 
@@ -393,7 +419,10 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, 
     chart ``class_distribution.png`` go to ``output_dir`` (main process only).
     """
     scan = scan_image_folder(root, verify=verify)
-    log.info(scan.summary())
+    # What was skipped is a warning: logging's last-resort handler shows it even to a script
+    # that never configured logging (the classic template's scripts), where info is silent.
+    log.log(logging.WARNING if scan.skipped or scan.dropped_classes else logging.INFO,
+            scan.summary())
     train_p, train_y, val_p, val_y, warnings = split_train_val(scan.images, val_rate, seed,
                                                                scan.classes, root=scan.root)
     for warning in warnings:

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import unicodedata
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from multi_train_utils.checkpoint import CheckpointError
 from multi_train_utils.distributed_utils import DistInfo
 from my_dataset import IGNORE_INDEX, MyDataSet, check_image, load_image_tensor, load_pil_image
 from train_common import _build_data, _build_model, get_args_parser
-from utils import (DataError, get_transforms, read_split_data, scan_image_folder,
+from utils import (IMG_EXTENSIONS, DataError, get_transforms, read_split_data, scan_image_folder,
                    split_train_val, write_json_atomic)
 
 LAUNCH = "train_multi_gpu_using_launch.py"
@@ -62,6 +63,44 @@ def jpeg_without_scan(good: Path, path: Path) -> Path:
     data = good.read_bytes()
     path.write_bytes(data[:data.index(b"\xff\xda")] + b"\xff\xd9")  # cut at start-of-scan
     return path
+
+
+def png_with_damaged_data(path: Path, seed: int = 0) -> Path:
+    """A PNG whose header, chunk checksums and end marker are intact but whose compressed pixel
+    data is damaged: it passes the up-front check and fails only when decoded."""
+    import io
+    import zlib
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), np.uint8)).save(
+        buf, "PNG")
+    data = bytearray(buf.getvalue())
+    start = data.index(b"IDAT") + 4  # the chunk's data; its length is the 4 bytes before
+    length = int.from_bytes(data[start - 8:start - 4], "big")
+    data[start + 20:start + 60] = np.random.default_rng(seed + 1).bytes(40)
+    data[start + length:start + length + 4] = zlib.crc32(data[start - 4:start + length]
+                                                         ).to_bytes(4, "big")
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _in_child(fn: Callable[[], object]) -> str:
+    """What ``fn()`` does in a forked child: "returned", "raised <type>" or "killed by <signal>"
+    (a crash in native code must not take pytest down with it)."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+            code = 0
+        except Exception as exc:
+            code = 3 if isinstance(exc, OSError) else 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return {0: "returned", 3: "raised OSError", 4: "raised another error"}[os.WEXITSTATUS(status)]
 
 
 def make_class(folder: Path, n: int, seed: int) -> Path:
@@ -137,6 +176,10 @@ def test_scan_skips_and_reports_every_kind_of_junk(messy):
 def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         train_p, train_y, val_p, val_y = read_split_data(str(messy), 0.2, output_dir=str(tmp_path))
+    # What was skipped is a warning: a script that set up no logging still sees it (logging's
+    # last-resort handler prints warnings only).
+    (summary,) = [r for r in caplog.records if "20 images in 4 classes" in r.getMessage()]
+    assert summary.levelno == logging.WARNING and "skipped 8 file(s)" in summary.getMessage()
     indices = json.loads((tmp_path / "class_indices.json").read_text(encoding="utf-8"))
     assert indices == {str(i): c for i, c in enumerate(USED_CLASSES)}
     assert len(train_p) + len(val_p) == 20 and set(train_y + val_y) == {0, 1, 2, 3}
@@ -153,8 +196,13 @@ def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
     ("missing", "does not exist; expected a folder with one sub-folder of images per class"),
     ("file", "is not a folder; expected a folder"),
     ("no_subfolders", "has no class sub-folders"),
-    ("no_images", "no readable images found"),
-    ("one_class_left", "only one class with images"),
+    # Why the images are missing, not only that they are: the skipped files, counted.
+    ("no_images", "no readable images found under {root} (looked for {extensions} in 2 class "
+                  "folders); skipped 3 file(s): 1 empty file, 1 not a readable image, 1 not an "
+                  "image extension (e.g. {root}/b/bad.jpg: not a readable image ("),
+    ("one_class_left", "only one class with images under {root} (a); dropped class folder(s) "
+                       "with no usable image: b; skipped 1 file(s): 1 empty file (e.g. "
+                       "{root}/b/zero.jpg: empty file); classification needs"),
     # --data-path flower_photos/roses: its images lie in it, a sub-folder is one class at most
     ("class_folder", "with images; it holds 2 image(s) itself, like one class's folder: did you "
                      "mean {parent}?"),
@@ -171,6 +219,7 @@ def test_scan_errors_say_what_and_where(tmp_path, case, message):
         (root / "b").mkdir()
         (root / "b" / "readme.txt").write_text("hi")
         (root / "b" / "bad.jpg").write_bytes(b"nope")
+        (root / "b" / "zero.png").write_bytes(b"")
     elif case == "one_class_left":  # one class emptied by the checks, one with images
         make_class(root / "a", 3, 0)
         (root / "b").mkdir()
@@ -181,8 +230,11 @@ def test_scan_errors_say_what_and_where(tmp_path, case, message):
         write_jpeg(root / "B.JPG", 1)
     with pytest.raises(DataError) as err:
         scan_image_folder(str(root))
-    message = message.format(parent=tmp_path)
+    message = message.format(parent=tmp_path, root=root, extensions=", ".join(IMG_EXTENSIONS))
     assert message in str(err.value) and str(root) in str(err.value)
+    if case == "no_images":
+        assert str(err.value).endswith(f"; {root}/b/readme.txt: not an image extension; "
+                                       f"{root}/b/zero.png: empty file).")
     if case == "no_subfolders":
         assert str(err.value).endswith("it holds 1 image(s) itself, like one class's folder: did "
                                        f"you mean {tmp_path}?")
@@ -358,6 +410,12 @@ def test_a_fifo_or_a_photo_too_large_is_skipped_with_its_reason(tmp_path, monkey
                                       "decompression-bomb limit); downscale it"}
     assert str(root / "b" / "big.png") in scan.images[1]  # over the limit, under twice it
     assert not [w for w in recwarn if issubclass(w.category, Image.DecompressionBombWarning)]
+    # Without the header checks (--no-verify-images) a FIFO and an empty file are still left
+    # out: a loader worker reading the FIFO blocked the run for good, without a word.
+    (root / "a" / "zero.jpg").write_bytes(b"")
+    quick = dict(scan_image_folder(str(root), verify=False).skipped)
+    assert quick == {str(root / "a" / "pipe.jpg"): "not a regular file",
+                     str(root / "a" / "zero.jpg"): "empty file"}
 
 
 def test_summary_shows_examples_of_every_reason_and_the_extensions_read(tmp_path):
@@ -499,13 +557,15 @@ def test_check_image_reads_headers_only(tmp_path, monkeypatch):
     assert check_image(str(tmp_path / "missing.jpg")) == "dangling link or missing file"
 
 
+@pytest.mark.parametrize("broken_kind", ["jpeg", "png"])
 @pytest.mark.parametrize("decoder", ["tensor", "pil"])
-def test_unreadable_at_load_time_becomes_ignored_placeholder(tmp_path, decoder):
+def test_unreadable_at_load_time_becomes_ignored_placeholder(tmp_path, decoder, broken_kind):
     goods = [write_jpeg(tmp_path / f"{i}.jpg", i, (20, 12)) for i in range(5)]
-    broken = jpeg_without_scan(goods[0], tmp_path / "broken.jpg")
+    broken = (jpeg_without_scan(goods[0], tmp_path / "broken.jpg") if broken_kind == "jpeg"
+              else png_with_damaged_data(tmp_path / "broken.png"))
     assert check_image(str(broken)) is None  # the up-front check cannot see this one
-    with pytest.raises(OSError):
-        load_image_tensor(str(broken))
+    # torchvision's PNG decoder crashes the process on this one (SIGSEGV): it must raise.
+    assert _in_child(lambda: load_image_tensor(str(broken))) == "raised OSError"
     paths = [str(p) for p in goods[:2]] + [str(broken)] + [str(p) for p in goods[2:]]
     labels = [1, 1, 0, 1, 0, 1]
     to_tensor = [] if decoder == "tensor" else [v2.PILToTensor()]

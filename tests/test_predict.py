@@ -586,6 +586,20 @@ def test_a_fifo_named_or_matched_is_reported_not_waited_on(run: dict, tmp_path: 
     assert result.returncode == 1, result.stderr
     assert [line.split("\t")[0] for line in result.stdout.splitlines()] == [str(good)]
     assert f"Cannot read image {tmp_path / 'pipe.jpg'}: not a regular file" in result.stderr
+    # Inside a folder it is reported too, not dropped without a word.
+    assert predict.collect_images([tmp_path]) == [good, tmp_path / "pipe.jpg"]
+
+
+def test_a_photo_over_the_decompression_bomb_limit_is_refused_as_in_training(
+        run: dict, tmp_path: Path, caplog, monkeypatch) -> None:
+    huge = tmp_path / "huge.jpg"  # torchvision decodes JPEGs of any size: the check must run
+    Image.new("RGB", (1000, 1000)).save(huge)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 400_000)  # 1 MP is over twice this
+    with caplog.at_level(logging.INFO):
+        code = _main("--weights", run["dir"] / "checkpoint.pth", huge, run["images"][0])
+    assert code == 1
+    assert _errors(caplog)[0] == (f"Cannot read image {huge}: image too large (over 1 "
+                                  "megapixels, PIL's decompression-bomb limit); downscale it")
 
 
 def test_a_home_folder_in_paths_is_expanded(run: dict, tmp_path: Path, monkeypatch) -> None:
