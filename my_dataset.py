@@ -142,6 +142,8 @@ def check_image(path: str) -> str | None:
         return None
     except FileNotFoundError:
         return "dangling link or missing file"
+    except PermissionError:  # as an unreadable folder is reported, not as a damaged image
+        return "permission denied"
     except Image.DecompressionBombError:
         return (f"image too large (over {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, PIL's "
                 "decompression-bomb limit); downscale it")

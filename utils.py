@@ -192,7 +192,9 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                    f"{os.path.dirname(os.path.abspath(root))}?" if loose else ".")
     if not class_names:
         raise DataError(f"data path {root} has no class sub-folders; expected one sub-folder of "
-                        f"images per class (e.g. flower_photos/daisy/*.jpg){parent_hint}")
+                        f"images per class (e.g. flower_photos/daisy/*.jpg){parent_hint}"
+                        + (" Otherwise sort its images into one sub-folder per class." if loose
+                           else ""))
     for name in class_names:
         if not _is_utf8(name):
             raise DataError(f"class folder {printable_path(name)} in {root} has a name that is "

@@ -237,7 +237,8 @@ def test_scan_errors_say_what_and_where(tmp_path, case, message):
                                        f"{root}/b/zero.png: empty file).")
     if case == "no_subfolders":
         assert str(err.value).endswith("it holds 1 image(s) itself, like one class's folder: did "
-                                       f"you mean {tmp_path}?")
+                                       f"you mean {tmp_path}? Otherwise sort its images into one "
+                                       "sub-folder per class.")
 
 
 def _bytes_path(folder: Path, name: bytes) -> str:
@@ -339,6 +340,18 @@ def test_unreadable_class_or_sub_folder_is_listed(tmp_path, monkeypatch):
     assert scan.skipped == [(str(root / "b" / "private"), "permission denied"),
                             (str(root / "locked"), "permission denied")]
     assert "2 permission denied" in scan.summary()
+    # An unreadable file: the same words as an unreadable folder, not "not a readable image".
+    import my_dataset
+
+    secret = str(root / "a" / "00.jpg")
+
+    def denying_open(file, *args, **kwargs):
+        if os.fspath(file) == secret:
+            raise PermissionError(13, "Permission denied", secret)
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(my_dataset, "open", denying_open, raising=False)
+    assert (secret, "permission denied") in scan_image_folder(str(root)).skipped
 
 
 def test_images_in_the_data_root_are_listed_not_lost(tmp_path):
