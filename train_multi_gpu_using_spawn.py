@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import find_free_port, parse_dist_url, set_launch_env
+from multi_train_utils.distributed_utils import (find_free_port, parse_dist_url, set_launch_env,
+                                                 wait_for_port)
 from train_common import die_with_launcher, train
 from train_common import get_args_parser as _common_parser
 
@@ -111,13 +112,20 @@ def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
     # On failure the store is dropped before exiting: the SystemExit's traceback holds this
     # frame, and a store it kept alive would keep hosting (a thread) in a caller that goes on.
     store = None
+    deadline = time.monotonic() + args.dist_timeout
+    keys = [f"ddp-template/spawn/node{n}" for n in range(args.nnodes)]
     try:
+        log.info("waiting for the other node(s) at %s:%d", addr, port)
+        # Waits polled from Python, not inside C++: Ctrl-C stops them at once.
+        if args.node_rank != 0:
+            wait_for_port(addr, port, args.dist_timeout)
         store = dist.TCPStore(addr, port, is_master=args.node_rank == 0, timeout=timeout,
                               wait_for_workers=False)
-        store.set(f"ddp-template/spawn/node{args.node_rank}", str(nprocs))
-        keys = [f"ddp-template/spawn/node{n}" for n in range(args.nnodes)]
-        log.info("waiting for the other node(s) at %s:%d", addr, port)
-        store.wait(keys)
+        store.set(keys[args.node_rank], str(nprocs))
+        while missing := [n for n, key in enumerate(keys) if not store.check([key])]:
+            if time.monotonic() >= deadline:
+                raise dist.DistNetworkError(f"node(s) {', '.join(map(str, missing))} never came")
+            time.sleep(0.25)
         counts = [int(store.get(key)) for key in keys]
         store.add("ddp-template/spawn/read", 1)
     except (RuntimeError, dist.DistError) as exc:  # unreachable node 0, or a node never came

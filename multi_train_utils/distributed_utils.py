@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -201,6 +202,26 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"start{start}-world{world}", store)
 
 
+def wait_for_port(addr: str, port: int, timeout_s: float) -> None:
+    """Return once something listens at ``addr:port``; raise DistNetworkError after ``timeout_s``.
+
+    TCPStore's own client connect retries inside C++: a Ctrl-C waits for it, and each failed try
+    prints a C++ stack dump (about 40 lines for one timeout). Polled here, the wait is
+    interruptible and quiet, and the store connects at once afterwards.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=min(2.0, timeout_s)).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise dist.DistNetworkError(
+                    f"nothing answered at {addr}:{port} within {timeout_s:g}s "
+                    f"({exc.strerror or type(exc).__name__})") from None
+            time.sleep(0.25)
+
+
 def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str,
                      requested: str = "auto") -> None:
     """Return once every rank has checked in with the same backend; else raise LaunchError on
@@ -273,6 +294,8 @@ def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _elastic_store(timeout) if dist_url == "env://" else None
     if store is None:  # the rendezvous init_process_group would do, with its key prefix
+        if rank != 0 and dist_url == "env://":  # rank 0 hosts the store: wait for it quietly
+            wait_for_port(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
         rendezvoused, _, _ = next(dist.rendezvous(dist_url, rank, world_size, timeout=timeout))
         rendezvoused.set_timeout(timeout)
         store = dist.PrefixStore("default_pg", rendezvoused)

@@ -560,6 +560,38 @@ def test_spawn_nodes_with_other_process_counts_stop_before_starting(tiny_data, t
     assert not any(out.exists() for out in outs)
 
 
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_spawn_node_waiting_for_the_others_stops_on_ctrl_c(tmp_path, node_rank):
+    """Node 0 waits for node 1 to check in, node 1 for node 0's store to answer: both waited
+    inside C++, where Ctrl-C went unseen until --dist-timeout, then ended in a traceback."""
+    import signal
+    import time
+
+    log = tmp_path / "node.log"
+    proc = _start([sys.executable, "train_multi_gpu_using_spawn.py", "--device", "cpu",
+                   "--world-size", "1", "--nnodes", "2", "--node-rank", str(node_rank),
+                   "--dist-url", f"tcp://127.0.0.1:{find_free_port()}", "--dist-timeout", "120"],
+                  log)
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for the other node(s)" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        time.sleep(1)  # into the wait
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+        assert time.monotonic() - start < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert text.rstrip().endswith(
+        "stopped while waiting for the other node(s); no process was started."), text
+    assert "Traceback" not in text and "frame #" not in text, text
+
+
 def test_spawn_node_whose_peers_never_come_stops_after_the_timeout(monkeypatch, caplog):
     import train_multi_gpu_using_spawn as spawn
 
