@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -57,7 +58,11 @@ def printable_path(path: str | os.PathLike) -> str:
 
 def load_pil_image(path: str) -> Image.Image:
     """An 8-bit RGB PIL image with EXIF orientation applied; raises on undecodable files."""
-    with Image.open(path) as img:
+    with warnings.catch_warnings(), Image.open(path) as img:
+        # The scan accepted the size (PIL warns from half its bomb limit); a palette with
+        # transparency in bytes is converted correctly all the same.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        warnings.filterwarnings("ignore", message="Palette images with Transparency")
         img = ImageOps.exif_transpose(img)
         if img.mode in ("I;16", "I;16B", "I;16L", "I;16N"):
             # 16-bit grayscale: convert("RGB") would clip at 255 -> white; scale to 8 bits instead.
@@ -84,8 +89,8 @@ def load_image_tensor(path: str) -> torch.Tensor:
     if decode_image is None:
         return TF.pil_to_tensor(load_pil_image(path))
     try:
-        data = read_file(path)
-        head = bytes(data[:21].tolist())
+        with open(path, "rb") as f:
+            head = f.read(21)
         # PIL for PNG: torchvision's PNG decoder kills the process (SIGSEGV after libpng's
         # "IDAT: incorrect data check") on damaged compressed data, where PIL raises. That took
         # down a whole run, rerun after rerun: torchvision 0.29.1 crashed on 40 of 40 random
@@ -93,6 +98,7 @@ def load_image_tensor(path: str) -> torch.Tensor:
         # WebP with EXIF: torchvision orients JPEG and PNG only.
         if head.startswith(_PNG_SIGNATURE) or _webp_with_exif(head):
             return TF.pil_to_tensor(load_pil_image(path))
+        data = read_file(path)
         img = decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
         if img.ndim == 4:  # an animated GIF: (frames, 3, H, W); PIL also gives the first frame
             img = img[0]

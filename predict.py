@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import Tensor, nn
 from torchvision.transforms import v2
 
@@ -345,7 +347,9 @@ def iter_predictions(
             try:
                 # Training's up-front check first: a FIFO would block the read, and a
                 # decompression bomb (over PIL's limit) would be decoded in full.
-                why = check_image(str(path)) if os.path.lexists(path) else None
+                with warnings.catch_warnings():  # a photo under PIL's limit: no warning
+                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                    why = check_image(str(path)) if os.path.lexists(path) else None
                 if why:
                     raise OSError(why)
                 tensors.append(transform(load_image(path)))

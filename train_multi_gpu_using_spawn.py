@@ -121,6 +121,11 @@ def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
             wait_for_port(addr, port, args.dist_timeout)
         store = dist.TCPStore(addr, port, is_master=args.node_rank == 0, timeout=timeout,
                               wait_for_workers=False)
+        if store.add(f"ddp-template/spawn/claims{args.node_rank}", 1) > 1:
+            store = None
+            _fail(f"another launcher already checked in as --node-rank {args.node_rank} at "
+                  f"{addr}:{port}; give each node its own --node-rank (0 to "
+                  f"{args.nnodes - 1}), or use another port for a second run.")
         store.set(keys[args.node_rank], str(nprocs))
         while missing := [n for n, key in enumerate(keys) if not store.check([key])]:
             if time.monotonic() >= deadline:

@@ -43,7 +43,9 @@ class DataError(ValueError):
 
 def _counted(count: int, reason: str) -> str:
     """``"2 hidden files"``, ``"1 hidden file"``, ``"3 not a readable image"``."""
-    plural = count != 1 and reason.split()[-1] in ("file", "folder", "link", "duplicate")
+    # Only short reasons are nouns to count: "2 not a regular file", not "... files".
+    plural = (count != 1 and len(reason.split()) <= 2
+              and reason.split()[-1] in ("file", "folder", "link", "duplicate"))
     return f"{count} {reason}{'s' if plural else ''}"
 
 
@@ -141,6 +143,8 @@ def _real_file(path: str, real_dir: str) -> tuple[str | None, str | None]:
             real = os.path.realpath(path)
         else:
             real = os.path.join(real_dir, os.path.basename(path))
+    except PermissionError:  # a folder that may be listed but not entered (no x bit)
+        return None, "permission denied"
     except OSError:  # a dangling link, or gone since it was listed
         return None, "dangling link"
     if not stat.S_ISREG(st.st_mode):
@@ -421,10 +425,11 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, 
     chart ``class_distribution.png`` go to ``output_dir`` (main process only).
     """
     scan = scan_image_folder(root, verify=verify)
-    # What was skipped is a warning: logging's last-resort handler shows it even to a script
-    # that never configured logging (the classic template's scripts), where info is silent.
-    log.log(logging.WARNING if scan.skipped or scan.dropped_classes else logging.INFO,
-            scan.summary())
+    # What was skipped is a warning (once, on the main process): logging's last-resort handler
+    # shows it even to a script that never configured logging (the classic template's scripts),
+    # where info is silent. Hidden files alone (.DS_Store in every folder) are no news.
+    news = scan.dropped_classes or any(why != "hidden file" for _, why in scan.skipped)
+    log.log(logging.WARNING if news and is_main_process() else logging.INFO, scan.summary())
     train_p, train_y, val_p, val_y, warnings = split_train_val(scan.images, val_rate, seed,
                                                                scan.classes, root=scan.root)
     for warning in warnings:

@@ -230,8 +230,8 @@ def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str
     Each process picks its own backend from its own device: under ``--device auto`` a machine
     whose GPUs are missing or whose driver failed falls back to CPU and gloo, while the others
     use NCCL. The two backends never meet: both sides would wait out the whole timeout (30 min
-    by default) at the rendezvous and then blame the network. Compared in ``store`` first (two
-    round trips per rank, whatever the world size), the mismatch is one sentence.
+    by default) at the rendezvous and then blame the network. Compared in ``store`` first (a
+    few round trips per rank, whatever the world size), the mismatch is one sentence.
     """
     me = f"rank {rank} on {socket.gethostname()} uses {backend} (--device {requested})"
     first = store.compare_set("ddp-template/backend", "", f"{backend}|{me}").decode()
@@ -242,6 +242,12 @@ def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str
     store.wait(["ddp-template/backend-all-checked"])  # a rank that never comes: the timeout
     if store.check(["ddp-template/backend-differs"]):
         other = store.get("ddp-template/backend-differs").decode()
+        # Rank 0 may host the store: it stays until every rank has read why (or 10 s).
+        read = store.add("ddp-template/backend-read", 1)
+        deadline = time.monotonic() + 10
+        while rank == 0 and read < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            read = store.add("ddp-template/backend-read", 0)
         raise LaunchError(f"the processes disagree on the backend: {first.split('|', 1)[1]}, "
                           f"but {other}. Under --device auto a machine without a working GPU "
                           "falls back to CPU (gloo): fix its GPUs (nvidia-smi), or pass the same "

@@ -931,3 +931,13 @@ def test_dataset_paths_read_like_a_list_of_the_names_given(tmp_path):
     good = write_jpeg(tmp_path / "a.jpg", 0)
     assert MyDataSet([str(good)], [7], decoder="tensor")[0][1] == 7
     assert type(MyDataSet([str(good)], [7], decoder="tensor")[0][1]) is int  # as the template
+
+
+def test_skip_counts_read_as_english():
+    """Counts now stand in error messages too: short nouns take a plural, phrases do not."""
+    from utils import _counted
+
+    assert [_counted(2, "hidden file"), _counted(1, "empty file"), _counted(3, "duplicate"),
+            _counted(2, "not a regular file"), _counted(2, "not a readable image")] == [
+        "2 hidden files", "1 empty file", "3 duplicates", "2 not a regular file",
+        "2 not a readable image"]

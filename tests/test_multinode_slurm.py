@@ -19,6 +19,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -560,6 +561,43 @@ def test_spawn_nodes_with_other_process_counts_stop_before_starting(tiny_data, t
     assert not any(out.exists() for out in outs)
 
 
+def test_spawn_launchers_claiming_one_node_rank_are_refused(monkeypatch, caplog):
+    """Two machines both given --node-rank 1: node 0 would see every node checked in, and the
+    duplicated ranks would meet at the rendezvous. The second claim stops with one line."""
+    import threading
+
+    import torch.distributed as dist
+
+    import train_multi_gpu_using_spawn as spawn
+
+    port = find_free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # node 0
+    argv = ["--device", "cpu", "--world-size", "1", "--nnodes", "2", "--node-rank", "1",
+            "--dist-url", f"tcp://127.0.0.1:{port}", "--dist-timeout", "5"]
+    first = threading.Thread(target=lambda: _ignore_exit(
+        spawn._meet_other_nodes, spawn.get_args_parser().parse_args(argv), 1, "127.0.0.1", port))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not host.check(["ddp-template/spawn/node1"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(SystemExit) as exit_info:
+        spawn._meet_other_nodes(spawn.get_args_parser().parse_args(argv), 1, "127.0.0.1", port)
+    assert exit_info.value.code == 2
+    assert (f"error: another launcher already checked in as --node-rank 1 at 127.0.0.1:{port}; "
+            "give each node its own --node-rank (0 to 1), or use another port for a second "
+            "run.") in caplog.text
+    first.join()
+    del host
+
+
+def _ignore_exit(fn, *args) -> None:
+    try:
+        fn(*args)
+    except SystemExit:  # node 0 never checks in here: the first claimant times out
+        pass
+
+
 @pytest.mark.parametrize("node_rank", [0, 1])
 def test_spawn_node_waiting_for_the_others_stops_on_ctrl_c(tmp_path, node_rank):
     """Node 0 waits for node 1 to check in, node 1 for node 0's store to answer: both waited
@@ -666,7 +704,9 @@ def test_ranks_on_other_backends_stop_with_one_line_at_once(tmp_path):
     network. Every rank now stops at the rendezvous with what differs."""
     from dist_helpers import run_ranks
 
+    start = time.monotonic()
     got = run_ranks(_backend_worker, 3, tmp_path / "differ", ["nccl", "gloo", "gloo"], "a")
+    assert time.monotonic() - start < 30  # not the collective timeout (90 s) run out
     assert got == 3 * [
         "the processes disagree on the backend: rank 0 on HOST uses nccl (--device auto), but "
         "rank 1 on HOST uses gloo (--device auto). Under --device auto a machine without a "
