@@ -851,6 +851,7 @@ def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(slurm_env, fake
                       lambda url, rank, world, **kwargs: iter([(torch.distributed.HashStore(),
                                                                 rank, world)]))
     slurm_env.setattr(distributed_utils, "agree_on_backend", lambda *args, **kwargs: None)
+    slurm_env.setattr(distributed_utils, "wait_for_port", lambda *args: None)
     for key, value in dict(SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="3",
                            CUDA_VISIBLE_DEVICES="3", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="29500").items():
