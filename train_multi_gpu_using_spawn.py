@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import (find_free_port, parse_dist_url, set_launch_env,
-                                                 wait_for_port)
+                                                 wait_for_count, wait_for_port)
 from train_common import die_with_launcher, train
 from train_common import get_args_parser as _common_parser
 
@@ -147,9 +147,7 @@ def _meet_other_nodes(args: argparse.Namespace, nprocs: int, addr: str,
         sys.exit(130)
     if len(set(counts)) > 1:
         if args.node_rank == 0:  # host the store until every node has read the counts
-            deadline = time.monotonic() + 10
-            while store.add("ddp-template/spawn/read", 0) < args.nnodes and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for_count(store, "ddp-template/spawn/read", args.nnodes)
         store = None
         _fail("the nodes would start different numbers of processes ("
               + ", ".join(f"node {n}: {c}" for n, c in enumerate(counts))

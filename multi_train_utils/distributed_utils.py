@@ -222,6 +222,17 @@ def wait_for_port(addr: str, port: int, timeout_s: float) -> None:
             time.sleep(0.25)
 
 
+def wait_for_count(store: dist.Store, key: str, count: int, timeout_s: float = 10.0) -> None:
+    """Poll until the counter ``key`` in ``store`` reaches ``count`` or ``timeout_s`` passes.
+
+    The process hosting a store calls it before it exits with an error the others must read
+    too: its exit takes the store down (a reader would get "connection reset" instead).
+    """
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str,
                      requested: str = "auto") -> None:
     """Return once every rank has checked in with the same backend; else raise LaunchError on
@@ -242,12 +253,9 @@ def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str
     store.wait(["ddp-template/backend-all-checked"])  # a rank that never comes: the timeout
     if store.check(["ddp-template/backend-differs"]):
         other = store.get("ddp-template/backend-differs").decode()
-        # Rank 0 may host the store: it stays until every rank has read why (or 10 s).
-        read = store.add("ddp-template/backend-read", 1)
-        deadline = time.monotonic() + 10
-        while rank == 0 and read < world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
-            read = store.add("ddp-template/backend-read", 0)
+        store.add("ddp-template/backend-read", 1)
+        if rank == 0:  # it may host the store: it stays until every rank has read why
+            wait_for_count(store, "ddp-template/backend-read", world_size)
         raise LaunchError(f"the processes disagree on the backend: {first.split('|', 1)[1]}, "
                           f"but {other}. Under --device auto a machine without a working GPU "
                           "falls back to CPU (gloo): fix its GPUs (nvidia-smi), or pass the same "
