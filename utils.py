@@ -15,7 +15,6 @@ import stat
 import tempfile
 import unicodedata
 import warnings
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,13 +64,18 @@ class FolderScan:
         file per reason for the first ``examples`` reasons ("" if nothing was skipped)."""
         if not self.skipped:
             return ""
-        first: dict[str, str] = {}
-        for path, why in self.skipped:
-            first.setdefault(why.split(" (")[0], f"{path}: {why}")
-        counts = Counter(why.split(" (")[0] for _, why in self.skipped)
+        by_reason = self._by_reason()
+        first = sorted(f"{p}: {why}" for (p, why), *_ in by_reason.values())
         return (f"; skipped {len(self.skipped)} file(s): "
-                + ", ".join(_counted(n, why) for why, n in sorted(counts.items()))
-                + f" (e.g. {'; '.join(sorted(first.values())[:examples])})")
+                + ", ".join(_counted(len(v), why) for why, v in sorted(by_reason.items()))
+                + f" (e.g. {'; '.join(first[:examples])})")
+
+    def _by_reason(self) -> dict[str, list[tuple[str, str]]]:
+        """Skipped ``(path, reason)`` pairs grouped by the reason's short form (before " (")."""
+        by_reason: dict[str, list[tuple[str, str]]] = {}
+        for path, why in self.skipped:
+            by_reason.setdefault(why.split(" (")[0], []).append((path, why))
+        return by_reason
 
     def summary(self) -> str:
         """One paragraph for the log: counts, then what was skipped and why."""
@@ -81,9 +85,7 @@ class FolderScan:
             lines.append(f"dropped {len(self.dropped_classes)} class folder(s) with no usable "
                          f"image: {', '.join(self.dropped_classes)}")
         if self.skipped:
-            by_reason: dict[str, list[tuple[str, str]]] = {}
-            for path, why in self.skipped:
-                by_reason.setdefault(why.split(" (")[0], []).append((path, why))
+            by_reason = self._by_reason()
             lines.append(f"skipped {len(self.skipped)} file(s): "
                          + ", ".join(_counted(len(v), why) for why, v in sorted(by_reason.items())))
             if "not an image extension" in by_reason:
