@@ -182,12 +182,23 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     ("--warmup-steps", "0", "--warmup-steps must be at least 1, not 0."),
 ])
 def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
-    proc = run([sys.executable, "benchmark.py", "--device", "cpu", flag, value,
+    import benchmark
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(benchmark.get_args_parser().parse_args(
+            ["--device", "cpu", flag, value, "--output-dir", str(out)]))
+    assert exc.value.code == f"error: {message}"  # sys.exit(text): printed, exit status 1
+    assert not out.exists()
+
+
+def test_bad_size_from_the_command_line_is_one_line_and_exit_1(tmp_path):
+    proc = run([sys.executable, "benchmark.py", "--device", "cpu", "--steps", "0",
                 "--output-dir", str(tmp_path / "out")], timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "error: --steps must be at least 1, not 0."
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "out" / "benchmark.json").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_steady_window_times_the_middle_batches_not_the_start_up():
