@@ -211,7 +211,9 @@ def build_model(model_name: str, state_dict: Mapping[str, Tensor], num_classes: 
         raise UsageError(f"Unknown model {model_name!r}; pass --model with one of: {', '.join(MODELS)}.")
     fc_weight = state_dict.get("fc.weight")
     if fc_weight is None:
-        raise UsageError("The weights have no classifier (fc.weight); they cannot predict classes.")
+        raise UsageError("The weights have no fc.weight, the classifier of this template's "
+                         "ResNets: they are another architecture's, or a backbone alone, and "
+                         "cannot predict classes here.")
     if fc_weight.shape[0] != num_classes:
         raise UsageError(
             f"The class-indices file lists {num_classes} classes but the weights were trained for "

@@ -668,14 +668,18 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
     be drawn into this run's. They are moved to ``<out>/.previous-run`` now, when this run is
     known to start, and deleted once its first epoch is saved (:func:`_save_epoch`): a run
     stopped before that loses nothing. The ``--weights`` file this run started from stays in
-    place, even when it is one of them (``--resume none --weights <out>/weights/model-N.pth``).
+    place, even when it is one of them (``--resume none --weights <out>/weights/model-N.pth``),
+    and is then also kept under a name no run writes (:func:`_keep_start_weights`).
     """
     with _writing_in(out):
         if fresh:
             kept = Path(weights).resolve() if weights else None
-            stale = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
-                                 *(out / "weights").glob("model-*.pth"))
-                     if p.is_file() and p.resolve() != kept]
+            found = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
+                                 *(out / "weights").glob("model-*.pth")) if p.is_file()]
+            stale = [p for p in found if p.resolve() != kept]
+            for path in found:
+                if path.resolve() == kept and not path.is_symlink():
+                    _keep_start_weights(out, path)
             events = sorted((out / "tensorboard").rglob("events.out.tfevents.*"))
             for path in stale + events:
                 dest = out / PREVIOUS_RUN / path.relative_to(out)
@@ -692,6 +696,25 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
         # metrics.jsonl is rebuilt from the checkpoint: each finished epoch exactly once, even
         # if the previous attempt died between appending a line and saving the checkpoint.
         _write_metrics(out / "metrics.jsonl", history)
+
+
+def _keep_start_weights(out: Path, path: Path) -> None:
+    """``--resume none --weights <out>/weights/model-N.pth`` (or ``model_best.pth``,
+    ``checkpoint.pth``): this run saves its own file under that name at epoch N or sooner. A
+    hard link keeps the original as ``<out>/started_from_<name>``; no copy is made, since a
+    save replaces the name, not the file. The name itself holds the original until then, so a
+    rerun stopped earlier still finds it."""
+    dest, n = out / f"started_from_{path.name}", 1
+    while dest.exists() and not dest.samefile(path):  # kept by an earlier start: keep that too
+        n += 1
+        dest = out / f"started_from_{path.stem}.{n}{path.suffix}"
+    if not dest.exists():
+        try:
+            os.link(path, dest)
+        except OSError:  # a file system without hard links
+            shutil.copy2(path, dest)
+    log.info("--weights %s is a file this run saves its own over; the original is kept as %s",
+             path, dest)
 
 
 def _build_model(args: argparse.Namespace, info: DistInfo, classes: list[str], *,
@@ -713,10 +736,21 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                   classes: list[str], val_split: str | None) -> None:
     """Start ``model`` from ``--weights``: every tensor that fits by name and shape, and says
     what did not (rank 0). A head trained on other class names starts new, as for another
-    class count: kept, it would map the old class i to the new class i."""
+    class count: kept, it would map the old class i to the new class i. Backbone tensors whose
+    names fit but shapes do not are another architecture's (a resnet50's Bottleneck blocks in a
+    resnet34): refused, as loading the rest would start from a meaningless mix."""
     source = load_file(args.weights)
     _check_weights_model(args, source)  # another model's weights would fit only here and there
-    trained_on = _weights_classes(args.weights, source)
+    state, own_state = extract_state_dict(source, args.weights), model.state_dict()
+    reshaped = [k for k in state if k in own_state and state[k].shape != own_state[k].shape]
+    if any(not k.startswith("fc.") for k in reshaped):
+        key = next(k for k in reshaped if not k.startswith("fc."))
+        raise CheckpointError(
+            f"{args.weights} is not weights for --model {args.model}: "
+            f"{sum(not k.startswith('fc.') for k in reshaped)} of its tensors have the names of "
+            f"{args.model}'s but other shapes (e.g. {key}: {list(state[key].shape)} there, "
+            f"{list(own_state[key].shape)} here); pass the --model it was made for.")
+    trained_on = _weights_classes(args.weights, source, warn=info.is_main)
     if args.eval_only and _is_checkpoint(source):
         # The checks --resume makes: another model, other classes (which would score every
         # image against the wrong label), another split.
@@ -724,10 +758,18 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                           val_split=val_split)
     elif args.eval_only:  # bare weights: their run's files, where found, say what they are
         _check_bare_weights(args, trained_on, classes, warn=info.is_main)
-    new_head = trained_on not in (None, classes) and not args.eval_only
-    if trained_on == classes and not args.eval_only and info.is_main:
+    other_classes = trained_on not in (None, classes)
+    reordered = (other_classes and not args.eval_only and not reshaped
+                 and sorted(trained_on) == sorted(classes))
+    if reordered:  # the same classes in another order: each keeps its row of the head
+        rows = torch.tensor([trained_on.index(name) for name in classes])
+        state = {k: v[rows] if k in ("fc.weight", "fc.bias") else v for k, v in state.items()}
+        other_classes = False
+    # The head as a unit: a bias that happens to fit beside a weight that does not is no head.
+    new_head = (other_classes or bool(reshaped)) and not args.eval_only
+    if trained_on is not None and not other_classes and not args.eval_only and info.is_main:
         _warn_if_split_differs(source, args)
-    skipped, missing = load_matching_weights(model, args.weights, source=source,
+    skipped, missing = load_matching_weights(model, args.weights, source=state,
                                              leave_out=("fc.",) if new_head else ())
     own = model.state_dict().keys()
     if args.eval_only and (skipped or missing):
@@ -736,22 +778,26 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                 k.startswith("fc.") for k in skipped):  # it has a head, for other classes
             raise ConfigError(f"--eval-only: the classifier of {args.weights} does not fit the "
                               f"{len(classes)} classes of the data, and its class names are "
-                              "unknown (no class_indices.json beside it or one folder up), so "
-                              "the data's classes cannot be matched to its outputs; put its "
-                              "run's class_indices.json beside it, or evaluate on the classes "
-                              "it was trained on.")
+                              "unknown (no usable class_indices.json beside it or one folder "
+                              "up), so the data's classes cannot be matched to its outputs; put "
+                              "its run's class_indices.json beside it, or evaluate on the "
+                              "classes it was trained on.")
         raise ConfigError(f"--eval-only: {len(unfit)} tensor(s) of --model {args.model} with "
                           f"{len(classes)} classes are missing from or do not fit "
                           f"{args.weights} (e.g. {unfit[0]}), so the accuracy would be "
                           "meaningless; pass the --model and data it was trained with.")
     if not info.is_main:  # every rank loads the same: said once
         return
+    if reordered:
+        log.info("%s was trained on the classes of the data in another order (%s): its "
+                 "classifier's outputs are reordered to the data's (%s).", args.weights,
+                 short_list(trained_on, 5), short_list(classes, 5))
     head = [k for k in missing if k.startswith("fc.")]
     log.info("loaded %s into --model %s: %d of its %d tensors%s", args.weights, args.model,
              len(own) - len(missing), len(own),
              "" if not head else f"; the classifier ({short_list(head, 3)}) starts new for "
              f"{len(classes)} classes" + (f" (it was trained on {short_list(trained_on, 5)})"
-                                          if new_head else ""))
+                                          if other_classes and new_head else ""))
     extra = [k for k in skipped if k not in own]
     if extra:
         log.warning("%s holds %d tensor(s) that --model %s does not have (%s), left out; were "
@@ -782,26 +828,56 @@ def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
     """Eval-only of bare weights: refuse other classes, as named by the class_indices.json of
     their run; say when there is nothing to check by. (Their model: _check_weights_model.)"""
     if trained_on is None and warn:
-        log.warning("no class_indices.json beside %s (or one folder up): its class names cannot "
-                    "be checked against the data's; if they differ, the accuracy is meaningless.",
+        log.warning("%s beside %s (or one folder up): its class names cannot be checked against "
+                    "the data's; if they differ, the accuracy is meaningless.",
+                    "no usable class_indices.json" if find_run_file(
+                        args.weights, "class_indices.json") else "no class_indices.json",
                     args.weights)
     elif trained_on is not None and trained_on != classes:
         raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
                                               "evaluate it on the data it was trained on"))
 
 
-def _weights_classes(path: str, source: Any) -> list[str] | None:
+def _weights_classes(path: str, source: Any, *, warn: bool = False) -> list[str] | None:
     """The class names ``path`` was trained on, in NFC: a checkpoint's own list, else the run's
-    class_indices.json beside bare weights (or one folder up, as training writes them)."""
+    class_indices.json beside bare weights (or one folder up, as training writes them).
+
+    A class_indices.json that is not training's ``{"0": "daisy", ...}`` (ImageFolder's
+    ``{"daisy": 0}``, a damaged file) or lists another count of classes than the weights'
+    classifier has outputs is not their run's: ignored, and said when ``warn``."""
     names = source.get("classes") if _is_checkpoint(source) else None
     found = find_run_file(path, "class_indices.json") if names is None else None
-    if found is not None:
-        try:
-            indices = json.loads(found.read_text(encoding="utf-8"))
-            names = [indices[str(i)] for i in range(len(indices))]
-        except (OSError, ValueError, KeyError, TypeError):  # not ours: no names known
-            names = None
+    if found is None:
+        return _nfc(names)
+    problem = None
+    try:
+        indices = json.loads(found.read_text(encoding="utf-8"))
+        names = [indices[str(i)] for i in range(len(indices))]
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        names = None
+        problem = (f"cannot be read ({exc.strerror or exc})" if isinstance(exc, OSError) else
+                   'is not a map of the indices 0..N-1 to class names ({"0": "daisy", ...}) as '
+                   "training writes it")
+    head = _classifier_outputs(source)
+    if names is not None and head is not None and len(names) != head:
+        problem = (f"lists {len(names)} classes but the classifier of {path} has {head} outputs, "
+                   "so it is not the file of the run that trained it")
+        names = None
+    if problem and warn:
+        log.warning("ignoring %s, which %s; the class names of %s are unknown.", found, problem,
+                    path)
     return _nfc(names)
+
+
+def _classifier_outputs(source: Any) -> int | None:
+    """Rows of the ``fc.weight`` in loaded weights or a checkpoint, or None (no such tensor)."""
+    try:
+        weight = extract_state_dict(source, "").get("fc.weight")
+    except CheckpointError:
+        return None
+    return weight.shape[0] if weight is not None and weight.dim() == 2 else None
 
 
 def _warn_if_split_differs(source: Any, args: argparse.Namespace) -> None:

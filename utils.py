@@ -268,6 +268,11 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
     if len(classes) < min_classes:
         dropped_note = (f"; dropped class folder(s) with no usable image: {', '.join(dropped)}"
                         if dropped else "")
+        # flower_photos/ given as its parent: the one "class" holds the class folders.
+        parts = [Path(os.path.relpath(path, root)).parts for path in images[0]]
+        if not loose and parts and all(len(p) > 2 for p in parts):
+            parent_hint = (f"; its images all sit in sub-folders of {parts[0][0]}: did you mean "
+                           f"{os.path.join(root, parts[0][0])}?")
         raise DataError(f"only one class with images under {root} ({classes[0]}){dropped_note}"
                         f"{scan.skipped_note()}; classification needs at least two class folders "
                         f"with images{parent_hint}")

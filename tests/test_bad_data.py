@@ -206,6 +206,10 @@ def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
     # --data-path flower_photos/roses: its images lie in it, a sub-folder is one class at most
     ("class_folder", "with images; it holds 2 image(s) itself, like one class's folder: did you "
                      "mean {parent}?"),
+    # --data-path one level above flower_photos: its one "class" holds the class folders
+    ("parent_folder", "only one class with images under {root} (flower_photos); classification "
+                      "needs at least two class folders with images; its images all sit in "
+                      "sub-folders of flower_photos: did you mean {root}/flower_photos?"),
 ])
 def test_scan_errors_say_what_and_where(tmp_path, case, message):
     root = tmp_path / "data"
@@ -224,6 +228,9 @@ def test_scan_errors_say_what_and_where(tmp_path, case, message):
         make_class(root / "a", 3, 0)
         (root / "b").mkdir()
         (root / "b" / "zero.jpg").write_bytes(b"")
+    elif case == "parent_folder":
+        make_class(root / "flower_photos" / "daisy", 2, 0)
+        make_class(root / "flower_photos" / "roses", 2, 1)
     elif case == "class_folder":
         make_class(root / "sub", 3, 0)
         write_jpeg(root / "a.jpg", 0)

@@ -214,6 +214,17 @@ def test_wrong_architecture_is_a_usage_error(run: dict) -> None:
         predict.build_model("resnet34", state_dict, len(CLASSES))
 
 
+def test_weights_without_our_classifier_are_called_another_architecture() -> None:
+    # e.g. a MobileNet's, whose head is classifier.1.weight: it has a classifier, not ours
+    foreign = {"features.0.0.weight": torch.zeros(16, 3, 3, 3),
+               "classifier.1.weight": torch.zeros(5, 16)}
+    with pytest.raises(predict.UsageError) as err:
+        predict.build_model("resnet18", foreign, len(CLASSES))
+    assert str(err.value) == ("The weights have no fc.weight, the classifier of this template's "
+                              "ResNets: they are another architecture's, or a backbone alone, "
+                              "and cannot predict classes here.")
+
+
 def test_class_indices_must_cover_0_to_n_minus_1(tmp_path: Path) -> None:
     path = tmp_path / "classes.json"
     path.write_text(json.dumps({"0": "a", "1": "b", "2": "c", "3": "d", "4": "e", "5": "f", "6": "g",

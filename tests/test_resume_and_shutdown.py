@@ -616,8 +616,17 @@ def test_resume_none_keeps_the_weights_file_it_starts_from(run_a, tmp_path, tiny
     assert code == 0, err[-3000:]
     assert f"loaded {start} into --model resnet18: 122 of its 122 tensors" in err
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-0.pth", "model-2.pth"]
-    assert start.read_bytes() == (run_a / "weights" / "model-2.pth").read_bytes()
+    original = (run_a / "weights" / "model-2.pth").read_bytes()
+    assert start.read_bytes() == original
     assert load_ckpt(out / "checkpoint.pth")["epoch"] == 0
+    # This run saves its own model-2.pth at epoch 2: the original is kept under another name.
+    kept = out / "started_from_model-2.pth"
+    assert (f"--weights {start} is a file this run saves its own over; the original is kept as "
+            f"{kept}") in err
+    assert kept.samefile(start)  # a hard link: no copy of the bytes
+    code, err = train_here(flags(tiny_data, out, "--weights", str(start), "--epochs", "3"))
+    assert code == 0 and load_ckpt(out / "checkpoint.pth")["epoch"] == 2, err[-3000:]
+    assert start.read_bytes() != original and kept.read_bytes() == original
 
 
 class _SignalsMidWrite:
@@ -1206,13 +1215,80 @@ def test_bare_weights_are_checked_against_their_runs_class_names(run_a, tmp_path
     code, err = train_here(flags(lacking, tmp_path / "eval", "--eval-only", "--weights",
                                  str(alone)))
     assert code == 2 and (f"error: --eval-only: the classifier of {alone} does not fit the 4 "
-                          "classes of the data, and its class names are unknown (no "
+                          "classes of the data, and its class names are unknown (no usable "
                           "class_indices.json beside it or one folder up)") in err, err[-3000:]
     out = tmp_path / "fine-tune"  # training from them: the head starts new
     code, err = train_here(flags(data, out, "--epochs", "1", "--weights", str(weights)))
     assert code == 0, err[-3000:]
     assert ("the classifier (fc.bias, fc.weight) starts new for 5 classes (it was trained on "
             "daisy, dandelion, roses, sunflowers, tulips)") in err
+
+
+def test_weights_of_another_resnet_are_refused_not_mixed_in(tmp_path, tiny_data, train_here):
+    """A resnet50's Bottleneck blocks share names with a resnet18's BasicBlocks: loading the
+    tensors whose shapes happen to fit would start from a meaningless mix."""
+    path = tmp_path / "elsewhere" / "resnet50_5_classes.pth"
+    path.parent.mkdir()
+    torch.save(get_model("resnet50", num_classes=5).state_dict(), path)
+    code, err = train_here(flags(tiny_data, tmp_path / "out", "--epochs", "1", "--weights",
+                                 str(path)))
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and (
+        f"error: {path} is not weights for --model resnet18: 23 of its tensors have the names of "
+        "resnet18's but other shapes (e.g. layer1.0.conv1.weight: [64, 64, 1, 1] there, "
+        "[64, 64, 3, 3] here); pass the --model it was made for.") in errors[0], err[-3000:]
+    assert not (tmp_path / "out" / "checkpoint.pth").exists()
+
+
+def test_weights_of_these_classes_in_another_order_keep_their_head(run_a, tmp_path, tiny_data,
+                                                                  train_here):
+    """Weights whose class_indices.json lists the data's classes in another order (an old
+    run's, a renamed class sorting elsewhere): each class keeps its row of the head."""
+    trained = load_ckpt(run_a / "weights" / f"model-{EPOCHS - 1}.pth")
+    order = ["tulips", "daisy", "sunflowers", "dandelion", "roses"]
+    data_order = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    rows = [data_order.index(name) for name in order]  # row i of the file is class order[i]
+    state = {k: v[rows] if k in ("fc.weight", "fc.bias") else v for k, v in trained.items()}
+    folder = tmp_path / "shuffled"
+    folder.mkdir()
+    torch.save(state, folder / "model.pth")
+    (folder / "class_indices.json").write_text(json.dumps(dict(enumerate(order))))
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1", "--lr", "1e-12", "--weights",
+                                 str(folder / "model.pth")))
+    assert code == 0, err[-3000:]
+    assert (f"{folder / 'model.pth'} was trained on the classes of the data in another order "
+            "(tulips, daisy, sunflowers, dandelion, roses): its classifier's outputs are "
+            "reordered to the data's (daisy, dandelion, roses, sunflowers, tulips).") in err
+    assert "122 of its 122 tensors" in err and "starts new" not in err
+    # An lr of 1e-12 leaves the weights as loaded: the head is the trained one, rows in order.
+    head = load_ckpt(out / "weights" / "model-0.pth")["fc.weight"]
+    assert torch.allclose(head, trained["fc.weight"], atol=1e-6)
+
+
+@pytest.mark.parametrize("indices, why", [
+    ({"daisy": 0, "dandelion": 1, "roses": 2, "sunflowers": 3, "tulips": 4},
+     'is not a map of the indices 0..N-1 to class names ({"0": "daisy", ...})'),
+    ({"0": "cat", "1": "dog"}, "lists 2 classes but the classifier of {weights} has 5 outputs"),
+])
+def test_a_class_indices_json_not_of_the_weights_run_is_ignored_and_said(
+        run_a, tmp_path, tiny_data, train_here, indices, why):
+    """ImageFolder's class_to_idx, or an old tutorial's file for other weights, beside the
+    weights: it does not name their classes, and saying 'no class_indices.json' would be false."""
+    folder = tmp_path / "old"
+    folder.mkdir()
+    weights = folder / "model.pth"
+    shutil.copy(run_a / "weights" / f"model-{EPOCHS - 1}.pth", weights)
+    found = folder / "class_indices.json"
+    found.write_text(json.dumps(indices))
+    code, err = train_here(flags(tiny_data, tmp_path / "eval", "--eval-only", "--weights",
+                                 str(weights)))
+    assert code == 0, err[-3000:]
+    why = why.replace("{weights}", str(weights))
+    assert f"ignoring {found}, which {why}" in err, err[-3000:]
+    assert f"no usable class_indices.json beside {weights} (or one folder up)" in err
+    assert "no class_indices.json" not in err and "cat" not in err
 
 
 def test_weights_of_these_classes_from_another_split_warn(run_a, tmp_path, tiny_data,
