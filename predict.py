@@ -212,8 +212,9 @@ def build_model(model_name: str, state_dict: Mapping[str, Tensor], num_classes: 
     fc_weight = state_dict.get("fc.weight")
     if fc_weight is None:
         raise UsageError("The weights have no fc.weight, the classifier of this template's "
-                         "ResNets: they are another architecture's, or a backbone alone, and "
-                         "cannot predict classes here.")
+                         "ResNets (weights of another architecture, or a backbone saved without "
+                         "its head), so they cannot predict classes; train a head for them "
+                         "first (the training script's --weights).")
     if fc_weight.shape[0] != num_classes:
         raise UsageError(
             f"The class-indices file lists {num_classes} classes but the weights were trained for "

@@ -48,10 +48,10 @@ from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, common_amp_dtype, evaluate,
                                                resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet
-from utils import (DataError, FolderScan, default_demo_root, find_run_file, get_transforms,
-                   make_demo_data, missing_glyphs_ignored, path_flag, plot_class_distribution,
-                   run_args_near, scan_image_folder, short_list, split_key, split_train_val,
-                   write_json_atomic)
+from utils import (STARTED_FROM, DataError, FolderScan, default_demo_root, find_run_file,
+                   get_transforms, make_demo_data, missing_glyphs_ignored, path_flag,
+                   plot_class_distribution, run_args_near, same_bytes, scan_image_folder,
+                   short_list, split_key, split_train_val, write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -644,9 +644,11 @@ def _cpu_has_native_bf16() -> bool:
         return False
 
 
-def _write_run_files(out: Path, scan: FolderScan) -> None:
-    """Rank 0, once the run is known to be valid: what the data scan found, kept with the run."""
+def _write_run_files(out: Path, scan: FolderScan, start_weights: str | None) -> None:
+    """Rank 0, once the run is known to be valid: what the data scan found, kept with the run.
+    ``start_weights``: the --weights of a run that starts afresh (:func:`_keep_start_weights`)."""
     with _writing_in(out):
+        _keep_start_weights(out, start_weights)
         skipped = out / "skipped_files.txt"
         if scan.skipped:  # nothing is lost silently: the full list stays with the run
             skipped.write_text("".join(f"{p}\t{why}\n" for p, why in scan.skipped),
@@ -669,7 +671,7 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
     known to start, and deleted once its first epoch is saved (:func:`_save_epoch`): a run
     stopped before that loses nothing. The ``--weights`` file this run started from stays in
     place, even when it is one of them (``--resume none --weights <out>/weights/model-N.pth``),
-    and is then also kept under a name no run writes (:func:`_keep_start_weights`).
+    and was kept in ``started_from/`` before (:func:`_keep_start_weights`).
     """
     with _writing_in(out):
         if fresh:
@@ -677,9 +679,6 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
             found = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
                                  *(out / "weights").glob("model-*.pth")) if p.is_file()]
             stale = [p for p in found if p.resolve() != kept]
-            for path in found:
-                if path.resolve() == kept and not path.is_symlink():
-                    _keep_start_weights(out, path)
             events = sorted((out / "tensorboard").rglob("events.out.tfevents.*"))
             for path in stale + events:
                 dest = out / PREVIOUS_RUN / path.relative_to(out)
@@ -698,23 +697,43 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
         _write_metrics(out / "metrics.jsonl", history)
 
 
-def _keep_start_weights(out: Path, path: Path) -> None:
+def _keep_start_weights(out: Path, weights: str | None) -> None:
     """``--resume none --weights <out>/weights/model-N.pth`` (or ``model_best.pth``,
-    ``checkpoint.pth``): this run saves its own file under that name at epoch N or sooner. A
-    hard link keeps the original as ``<out>/started_from_<name>``; no copy is made, since a
-    save replaces the name, not the file. The name itself holds the original until then, so a
-    rerun stopped earlier still finds it."""
-    dest, n = out / f"started_from_{path.name}", 1
-    while dest.exists() and not dest.samefile(path):  # kept by an earlier start: keep that too
-        n += 1
-        dest = out / f"started_from_{path.stem}.{n}{path.suffix}"
-    if not dest.exists():
-        try:
-            os.link(path, dest)
-        except OSError:  # a file system without hard links
-            shutil.copy2(path, dest)
-    log.info("--weights %s is a file this run saves its own over; the original is kept as %s",
-             path, dest)
+    ``checkpoint.pth``): this run saves its own file under that name at epoch N or sooner, and
+    its class_indices.json and args.json over those of the weights' run now. Before they are,
+    the originals are kept in ``<out>/started_from/``, in the run's layout, where
+    :func:`find_run_file` looks first: a rerun stopped before epoch N still reads the weights'
+    own class names. The weights are a hard link (no copy: a save replaces the name, not the
+    file) where the file system allows."""
+    if not weights:
+        return
+    found = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
+                         *(out / "weights").glob("model-*.pth"))
+             if p.is_file() and not p.is_symlink()]  # a link's target is not saved over
+    path = next((p for p in found if p.resolve() == Path(weights).resolve()), None)
+    if path is None:
+        return
+    folder = out / STARTED_FROM
+    kept = folder / path.relative_to(out)
+    if kept.is_file() and same_bytes(kept, path):  # kept by an earlier start of this command
+        return
+    if folder.exists():  # an older start's, whose weights the run after it saved over
+        n = 2
+        while (out / f"{STARTED_FROM}.{n}").exists():
+            n += 1
+        folder.rename(out / f"{STARTED_FROM}.{n}")
+    kept.parent.mkdir(parents=True)
+    try:
+        os.link(path, kept)
+    except OSError:  # a file system without hard links: a copy, whole or none
+        partial = kept.with_name(f".{kept.name}.tmp")
+        shutil.copy2(path, partial)
+        partial.replace(kept)
+    for name in ("class_indices.json", "args.json"):
+        if (out / name).is_file():
+            shutil.copy2(out / name, folder / name)
+    log.info("--weights %s is a file this run saves its own over: the original is kept as %s, "
+             "with its run's class_indices.json and args.json", path, kept)
 
 
 def _build_model(args: argparse.Namespace, info: DistInfo, classes: list[str], *,
@@ -760,13 +779,16 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
         _check_bare_weights(args, trained_on, classes, warn=info.is_main)
     other_classes = trained_on not in (None, classes)
     reordered = (other_classes and not args.eval_only and not reshaped
+                 and {"fc.weight", "fc.bias"} <= state.keys()
                  and sorted(trained_on) == sorted(classes))
     if reordered:  # the same classes in another order: each keeps its row of the head
         rows = torch.tensor([trained_on.index(name) for name in classes])
         state = {k: v[rows] if k in ("fc.weight", "fc.bias") else v for k, v in state.items()}
         other_classes = False
-    # The head as a unit: a bias that happens to fit beside a weight that does not is no head.
-    new_head = (other_classes or bool(reshaped)) and not args.eval_only
+    # The head as a unit: a bias that fits beside a weight that does not (or is missing) is no
+    # head.
+    partial_head = {k for k in own_state if k.startswith("fc.")} - state.keys()
+    new_head = (other_classes or bool(reshaped) or bool(partial_head)) and not args.eval_only
     if trained_on is not None and not other_classes and not args.eval_only and info.is_main:
         _warn_if_split_differs(source, args)
     skipped, missing = load_matching_weights(model, args.weights, source=state,
@@ -853,13 +875,13 @@ def _weights_classes(path: str, source: Any, *, warn: bool = False) -> list[str]
     try:
         indices = json.loads(found.read_text(encoding="utf-8"))
         names = [indices[str(i)] for i in range(len(indices))]
-        if not all(isinstance(name, str) for name in names):
-            raise TypeError
+        if not names or len(set(names)) < len(names) or not all(isinstance(n, str) for n in names):
+            raise TypeError  # no classes, or one named twice: not a list training writes
     except (OSError, ValueError, KeyError, TypeError) as exc:
         names = None
         problem = (f"cannot be read ({exc.strerror or exc})" if isinstance(exc, OSError) else
-                   'is not a map of the indices 0..N-1 to class names ({"0": "daisy", ...}) as '
-                   "training writes it")
+                   'is not a map of the indices 0..N-1 to distinct class names ({"0": "daisy", '
+                   '...}) as training writes it')
     head = _classifier_outputs(source)
     if names is not None and head is not None and len(names) != head:
         problem = (f"lists {len(names)} classes but the classifier of {path} has {head} outputs, "
@@ -1482,7 +1504,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                   "on, or use another --output-dir.")
         model.load_state_dict(state)
     if not args.eval_only:
-        _check_on_rank0(_write_run_files, out, scan, info=info)
+        _check_on_rank0(_write_run_files, out, scan, args.weights if ckpt is None else None,
+                        info=info)
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     model_without_ddp = model

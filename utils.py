@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import filecmp
 import hashlib
 import json
 import logging
@@ -270,7 +271,7 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                         if dropped else "")
         # flower_photos/ given as its parent: the one "class" holds the class folders.
         parts = [Path(os.path.relpath(path, root)).parts for path in images[0]]
-        if not loose and parts and all(len(p) > 2 for p in parts):
+        if not loose and all(len(p) > 2 for p in parts) and len({p[1] for p in parts}) > 1:
             parent_hint = (f"; its images all sit in sub-folders of {parts[0][0]}: did you mean "
                            f"{os.path.join(root, parts[0][0])}?")
         raise DataError(f"only one class with images under {root} ({classes[0]}){dropped_note}"
@@ -294,10 +295,30 @@ def path_flag(text: str) -> str:
     return user_path(text)
 
 
+# Where a --resume none run keeps the --weights file it started from when it saves its own file
+# under that name, with that file's class_indices.json and args.json (train_common).
+STARTED_FROM = "started_from"
+
+
+def same_bytes(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether ``a`` and ``b`` are one file (a hard link) or hold the same bytes (a copy)."""
+    if os.path.samefile(a, b):
+        return True
+    return os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
+
+
 def find_run_file(weights: str | os.PathLike, name: str) -> Path | None:
     """``name`` (``class_indices.json``, ``args.json``) of the run that wrote ``weights``: training
-    puts it in --output-dir beside checkpoint.pth, one folder above weights/model-N.pth."""
+    puts it in --output-dir beside checkpoint.pth, one folder above weights/model-N.pth.
+
+    Weights that a ``--resume none`` run in their folder started from and kept in
+    ``started_from/`` have their run's files there: the new run rewrote those beside them."""
     weights = Path(weights)
+    for folder in (weights.parent, weights.parent.parent):
+        kept = folder / STARTED_FROM / weights.relative_to(folder)
+        if kept.is_file() and weights.is_file() and same_bytes(kept, weights):
+            weights = kept
+            break
     for folder in (weights.parent, weights.parent.parent):
         if (folder / name).is_file():
             return folder / name

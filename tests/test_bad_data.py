@@ -210,6 +210,9 @@ def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
     ("parent_folder", "only one class with images under {root} (flower_photos); classification "
                       "needs at least two class folders with images; its images all sit in "
                       "sub-folders of flower_photos: did you mean {root}/flower_photos?"),
+    # ...but one class whose images sit in a year folder is just that: no such hint
+    ("one_nested_class", "only one class with images under {root} (cats); classification needs "
+                         "at least two class folders with images."),
 ])
 def test_scan_errors_say_what_and_where(tmp_path, case, message):
     root = tmp_path / "data"
@@ -231,6 +234,8 @@ def test_scan_errors_say_what_and_where(tmp_path, case, message):
     elif case == "parent_folder":
         make_class(root / "flower_photos" / "daisy", 2, 0)
         make_class(root / "flower_photos" / "roses", 2, 1)
+    elif case == "one_nested_class":
+        make_class(root / "cats" / "2019", 2, 0)
     elif case == "class_folder":
         make_class(root / "sub", 3, 0)
         write_jpeg(root / "a.jpg", 0)

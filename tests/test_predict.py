@@ -221,8 +221,9 @@ def test_weights_without_our_classifier_are_called_another_architecture() -> Non
     with pytest.raises(predict.UsageError) as err:
         predict.build_model("resnet18", foreign, len(CLASSES))
     assert str(err.value) == ("The weights have no fc.weight, the classifier of this template's "
-                              "ResNets: they are another architecture's, or a backbone alone, "
-                              "and cannot predict classes here.")
+                              "ResNets (weights of another architecture, or a backbone saved "
+                              "without its head), so they cannot predict classes; train a head "
+                              "for them first (the training script's --weights).")
 
 
 def test_class_indices_must_cover_0_to_n_minus_1(tmp_path: Path) -> None:

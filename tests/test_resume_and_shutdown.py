@@ -37,6 +37,7 @@ from multi_train_utils.checkpoint import (CheckpointError, load_file, prune_weig
                                           to_cpu, unwrap)
 from multi_train_utils.distributed_utils import DistInfo, find_free_port
 from train_common import _build_data, get_args_parser
+from utils import find_run_file
 
 LAUNCH = "train_multi_gpu_using_launch.py"
 SPAWN = "train_multi_gpu_using_spawn.py"
@@ -619,14 +620,21 @@ def test_resume_none_keeps_the_weights_file_it_starts_from(run_a, tmp_path, tiny
     original = (run_a / "weights" / "model-2.pth").read_bytes()
     assert start.read_bytes() == original
     assert load_ckpt(out / "checkpoint.pth")["epoch"] == 0
-    # This run saves its own model-2.pth at epoch 2: the original is kept under another name.
-    kept = out / "started_from_model-2.pth"
-    assert (f"--weights {start} is a file this run saves its own over; the original is kept as "
-            f"{kept}") in err
+    # This run saves its own model-2.pth at epoch 2: the original is kept, with its run's files.
+    kept = out / "started_from" / "weights" / "model-2.pth"
+    assert (f"--weights {start} is a file this run saves its own over: the original is kept as "
+            f"{kept}, with its run's class_indices.json and args.json") in err
     assert kept.samefile(start)  # a hard link: no copy of the bytes
+    for name in ("class_indices.json", "args.json"):
+        assert (kept.parent.parent / name).read_bytes() == (run_a / name).read_bytes()
+    # Until then a rerun (one stopped before its first save) reads the kept run's files for
+    # it, not those this run wrote beside it.
+    assert find_run_file(start, "args.json") == kept.parent.parent / "args.json"
+    assert json.loads((out / "args.json").read_text())["resume"] == "none"
     code, err = train_here(flags(tiny_data, out, "--weights", str(start), "--epochs", "3"))
     assert code == 0 and load_ckpt(out / "checkpoint.pth")["epoch"] == 2, err[-3000:]
     assert start.read_bytes() != original and kept.read_bytes() == original
+    assert find_run_file(start, "args.json") == out / "args.json"  # now this run's own
 
 
 class _SignalsMidWrite:
@@ -1269,8 +1277,9 @@ def test_weights_of_these_classes_in_another_order_keep_their_head(run_a, tmp_pa
 
 @pytest.mark.parametrize("indices, why", [
     ({"daisy": 0, "dandelion": 1, "roses": 2, "sunflowers": 3, "tulips": 4},
-     'is not a map of the indices 0..N-1 to class names ({"0": "daisy", ...})'),
+     'is not a map of the indices 0..N-1 to distinct class names ({"0": "daisy", ...})'),
     ({"0": "cat", "1": "dog"}, "lists 2 classes but the classifier of {weights} has 5 outputs"),
+    ({str(i): "daisy" for i in range(5)}, "is not a map of the indices 0..N-1 to distinct class"),
 ])
 def test_a_class_indices_json_not_of_the_weights_run_is_ignored_and_said(
         run_a, tmp_path, tiny_data, train_here, indices, why):
@@ -1288,7 +1297,7 @@ def test_a_class_indices_json_not_of_the_weights_run_is_ignored_and_said(
     why = why.replace("{weights}", str(weights))
     assert f"ignoring {found}, which {why}" in err, err[-3000:]
     assert f"no usable class_indices.json beside {weights} (or one folder up)" in err
-    assert "no class_indices.json" not in err and "cat" not in err
+    assert "no class_indices.json" not in err and "cat, dog" not in err
 
 
 def test_weights_of_these_classes_from_another_split_warn(run_a, tmp_path, tiny_data,
