@@ -130,14 +130,19 @@ def load_class_names(path: str | Path) -> list[str]:
         raise UsageError(f"Cannot read class-indices file {path} as JSON ({exc}).") from None
 
     if isinstance(data, list) and data and all(isinstance(name, str) for name in data):
-        return list(data)
-    expected = [str(i) for i in range(len(data))] if isinstance(data, dict) else []
-    if not expected or sorted(data, key=lambda k: (len(k), k)) != expected:
-        raise UsageError(
-            f"Class-indices file {path} must map the indices 0..N-1 (as strings) to class names, "
-            'like {"0": "daisy", "1": "dandelion"}.'
-        )
-    return [str(data[key]) for key in expected]
+        names = list(data)
+    else:
+        expected = [str(i) for i in range(len(data))] if isinstance(data, dict) else []
+        if not expected or sorted(data, key=lambda k: (len(k), k)) != expected:
+            raise UsageError(
+                f"Class-indices file {path} must map the indices 0..N-1 (as strings) to class "
+                'names, like {"0": "daisy", "1": "dandelion"}.'
+            )
+        names = [str(data[key]) for key in expected]
+    if not all(names) or len(set(names)) < len(names):  # two outputs would print one label
+        raise UsageError(f"Class-indices file {path} gives a class an empty name or names one "
+                         "twice; pass the class_indices.json written by training.")
+    return names
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:

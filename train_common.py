@@ -935,7 +935,10 @@ def _score_against_trained_classes(path: str, classes: list[str], val_set: MyDat
         return classes
     new_label = np.asarray([trained.index(name) for name in classes], dtype=np.int64)
     val_set.images_class = new_label[val_set.images_class]
-    if info.is_main:
+    if info.is_main and set(classes) == set(trained):
+        log.info("the data's classes are those %s was trained on, in another order: each image "
+                 "is scored against its class by name.", path)
+    elif info.is_main:
         log.info("the data holds %d of the %d classes %s was trained on (missing: %s): its "
                  "images are scored against all %d.", len(classes), len(trained), path,
                  short_list([c for c in trained if c not in classes], 5), len(trained))

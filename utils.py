@@ -272,8 +272,10 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
         # flower_photos/ given as its parent: the one "class" holds the class folders.
         parts = [Path(os.path.relpath(path, root)).parts for path in images[0]]
         if not loose and all(len(p) > 2 for p in parts) and len({p[1] for p in parts}) > 1:
-            parent_hint = (f"; its images all sit in sub-folders of {parts[0][0]}: did you mean "
-                           f"{os.path.join(root, parts[0][0])}?")
+            subs = sorted({p[1] for p in parts})
+            parent_hint = (f"; its images all sit in {len(subs)} sub-folders of {parts[0][0]} "
+                           f"({short_list(subs, 3)}): if those are the classes, pass --data-path "
+                           f"{os.path.join(root, parts[0][0])}")
         raise DataError(f"only one class with images under {root} ({classes[0]}){dropped_note}"
                         f"{scan.skipped_note()}; classification needs at least two class folders "
                         f"with images{parent_hint}")
@@ -313,15 +315,16 @@ def find_run_file(weights: str | os.PathLike, name: str) -> Path | None:
 
     Weights that a ``--resume none`` run in their folder started from and kept in
     ``started_from/`` have their run's files there: the new run rewrote those beside them."""
-    weights = Path(weights)
-    for folder in (weights.parent, weights.parent.parent):
-        kept = folder / STARTED_FROM / weights.relative_to(folder)
-        if kept.is_file() and weights.is_file() and same_bytes(kept, weights):
-            weights = kept
-            break
-    for folder in (weights.parent, weights.parent.parent):
-        if (folder / name).is_file():
-            return folder / name
+    given = Path(os.path.abspath(weights))  # "model-1.pth": its parent's parent is "." again
+    for path in dict.fromkeys((given, given.resolve())):  # beside the name, then a link's target
+        for folder in (path.parent, path.parent.parent):
+            kept = folder / STARTED_FROM / path.relative_to(folder)
+            if kept.is_file() and path.is_file() and same_bytes(kept, path):
+                path = kept
+                break
+        for folder in (path.parent, path.parent.parent):
+            if (folder / name).is_file():
+                return folder / name
     return None
 
 

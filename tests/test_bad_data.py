@@ -208,8 +208,9 @@ def test_read_split_data_writes_only_used_classes(messy, tmp_path, caplog):
                      "mean {parent}?"),
     # --data-path one level above flower_photos: its one "class" holds the class folders
     ("parent_folder", "only one class with images under {root} (flower_photos); classification "
-                      "needs at least two class folders with images; its images all sit in "
-                      "sub-folders of flower_photos: did you mean {root}/flower_photos?"),
+                      "needs at least two class folders with images; its images all sit in 2 "
+                      "sub-folders of flower_photos (daisy, roses): if those are the classes, "
+                      "pass --data-path {root}/flower_photos"),
     # ...but one class whose images sit in a year folder is just that: no such hint
     ("one_nested_class", "only one class with images under {root} (cats); classification needs "
                          "at least two class folders with images."),

@@ -235,6 +235,23 @@ def test_class_indices_must_cover_0_to_n_minus_1(tmp_path: Path) -> None:
     path.write_text(json.dumps({"0": "a", "2": "c"}))
     with pytest.raises(predict.UsageError, match="0..N-1"):
         predict.load_class_names(path)
+    # Two outputs under one name would print as one label twice; training ignores such a file.
+    for names in ({"0": "a", "1": "a"}, {"0": "a", "1": ""}, ["a", "a"]):
+        path.write_text(json.dumps(names))
+        with pytest.raises(predict.UsageError, match="an empty name or names one twice"):
+            predict.load_class_names(path)
+
+
+def test_run_files_are_found_from_a_relative_or_linked_weights_path(run: dict, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    from utils import find_run_file
+
+    expected = run["dir"] / "class_indices.json"
+    monkeypatch.chdir(run["dir"] / "weights")  # --weights model-2.pth, typed in weights/
+    assert find_run_file("model-2.pth", "class_indices.json") == expected
+    link = tmp_path / "best.pth"  # a link elsewhere to the run's weights
+    link.symlink_to(run["dir"] / "weights" / "model-2.pth")
+    assert find_run_file(link, "class_indices.json") == expected
 
 
 def test_load_image_applies_exif_orientation_and_makes_rgb(tmp_path: Path) -> None:

@@ -1273,6 +1273,12 @@ def test_weights_of_these_classes_in_another_order_keep_their_head(run_a, tmp_pa
     # An lr of 1e-12 leaves the weights as loaded: the head is the trained one, rows in order.
     head = load_ckpt(out / "weights" / "model-0.pth")["fc.weight"]
     assert torch.allclose(head, trained["fc.weight"], atol=1e-6)
+    # Evaluated as they are, each image is scored against its class by name.
+    code, err = train_here(flags(tiny_data, tmp_path / "eval", "--eval-only", "--weights",
+                                 str(folder / "model.pth")))
+    assert code == 0 and "(missing: )" not in err, err[-3000:]
+    assert (f"the data's classes are those {folder / 'model.pth'} was trained on, in another "
+            "order: each image is scored against its class by name.") in err
 
 
 @pytest.mark.parametrize("indices, why", [
