@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -303,6 +304,16 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def _drop_swallowed_interrupt(previous: Callable[[Any], None], unraisable: Any) -> None:
+    """``sys.unraisablehook`` during training. A signal that lands while Python runs a weakref or
+    garbage-collector callback raises our KeyboardInterrupt where it cannot propagate; Python
+    would print it as "Exception ignored in: ..." with a traceback. The handler recorded the
+    signal, and the next step stops the run on it (_step_logger): the print is only noise."""
+    if issubclass(unraisable.exc_type, KeyboardInterrupt) and _signal_received:
+        return
+    previous(unraisable)
+
+
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
     """Finish the block before a SIGINT/SIGTERM takes effect, then raise it as usual.
@@ -405,6 +416,8 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup &)
         signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
+    saved_unraisablehook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_drop_swallowed_interrupt, saved_unraisablehook)
     global _signal_received, _waiting_for, _set_up
     _signal_received = _waiting_for = None
     _set_up = False
@@ -473,6 +486,7 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         gc.unfreeze()  # train() may be called again in this process
         for signum, handler in saved_handlers.items():  # train() may be called again
             signal.signal(signum, handler)
+        sys.unraisablehook = saved_unraisablehook
 
 
 def _launched_local_rank() -> int:

@@ -1828,6 +1828,36 @@ def test_a_lost_peer_is_one_line_and_the_rerun_continues(peer, tmp_path, tiny_da
     assert saved and load_ckpt(out / "checkpoint.pth")["epoch"] == saved[-1]["epoch"]
 
 
+def test_an_interrupt_python_could_only_print_is_no_traceback(tmp_path):
+    """A signal that lands inside a weakref callback (the garbage collector runs them at any
+    moment): the KeyboardInterrupt raised there cannot propagate and Python printed it as
+    "Exception ignored in: ... Traceback ..." (seen on Ctrl-C as training started)."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time, weakref
+        import train_common
+        from train_multi_gpu_using_launch import get_args_parser
+        class Thing:
+            pass
+        def run(args, info):
+            thing = Thing()
+            def callback(ref):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)  # the handler's KeyboardInterrupt is raised in here
+            ref = weakref.ref(thing, callback)
+            del thing  # runs the callback; Python can only print what it raises
+            print("TRAINING GOES ON", flush=True)
+            raise KeyboardInterrupt(train_common._signal_received)  # as the next step does
+        train_common._run = run
+        train_common.train(get_args_parser().parse_args(sys.argv[1:]))
+    """)
+    result = run([sys.executable, "-c", script, "--device", "cpu", "--output-dir",
+                  str(tmp_path / "out"), "--eval-only"], timeout=120, PYTHONPATH=str(ROOT))
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert "TRAINING GOES ON" in result.stdout and "interrupted by SIGTERM" in result.stderr
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, \
+        result.stderr[-3000:]
+
+
 def test_a_second_signal_during_the_clean_up_is_no_traceback(tmp_path):
     """torchrun signals a stopping rank again (its group, then the launcher's death signal): a
     signal that arrives while the rank is already stopping ends it quietly."""
