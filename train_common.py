@@ -818,9 +818,12 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                               "up), so the data's classes cannot be matched to its outputs; put "
                               "its run's class_indices.json beside it, or evaluate on the "
                               "classes it was trained on.")
-        raise ConfigError(f"--eval-only: {len(unfit)} tensor(s) of --model {args.model} with "
-                          f"{len(classes)} classes are missing from or do not fit "
-                          f"{args.weights} (e.g. {unfit[0]}), so the accuracy would be "
+        gaps, left = [k for k in unfit if k in own], [k for k in unfit if k not in own]
+        why = ([f"{len(gaps)} of the model's tensors are missing from it or have other shapes, "
+                f"e.g. {gaps[0]}"] if gaps else []) + (
+            [f"{len(left)} of its tensors are not in the model, e.g. {left[0]}"] if left else [])
+        raise ConfigError(f"--eval-only: {args.weights} does not fit --model {args.model} with "
+                          f"{len(classes)} classes ({'; '.join(why)}), so the accuracy would be "
                           "meaningless; pass the --model and data it was trained with.")
     if not info.is_main:  # every rank loads the same: said once
         return
@@ -829,7 +832,7 @@ def _load_weights(model: nn.Module, args: argparse.Namespace, info: DistInfo,
                  "classifier's outputs are reordered to the data's (%s).", args.weights,
                  short_list(trained_on, 5), short_list(classes, 5))
     head = [k for k in missing if k.startswith("fc.")]
-    log.info("loaded %s into --model %s: %d of its %d tensors%s", args.weights, args.model,
+    log.info("loaded %s into --model %s: %d of the model's %d tensors%s", args.weights, args.model,
              len(own) - len(missing), len(own),
              "" if not head else f"; the classifier ({short_list(head, 3)}) starts new for "
              f"{len(classes)} classes" + (f" (it was trained on {short_list(trained_on, 5)})"

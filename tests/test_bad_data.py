@@ -811,15 +811,15 @@ def test_weights_of_another_model_warn_but_a_new_head_does_not(tmp_path, caplog)
                 [r.getMessage() for r in caplog.records if r.levelname == "WARNING"])
 
     infos, warnings = build("resnet18", path, 5)  # fine-tuning: only the head is new
-    assert warnings == [] and (f"loaded {path} into --model resnet18: 120 of its 122 tensors; "
-                               "the classifier (fc.bias, fc.weight) starts new for 5 classes"
-                               ) in infos
+    assert warnings == [] and (f"loaded {path} into --model resnet18: 120 of the model's 122 "
+                               "tensors; the classifier (fc.bias, fc.weight) starts new for 5 "
+                               "classes") in infos
     _, warnings = build("resnet34", path, 3)  # a shallower file leaves blocks as initialised
     assert len(warnings) == 1
     assert f"backbone tensor(s) of --model resnet34 were not loaded from {path}" in warnings[0]
     assert "were the weights made for another --model?" in warnings[0]
     infos, warnings = build("resnet18", deeper, 3)  # a deeper one loads every resnet18 tensor
-    assert f"loaded {deeper} into --model resnet18: 122 of its 122 tensors" in infos
+    assert f"loaded {deeper} into --model resnet18: 122 of the model's 122 tensors" in infos
     assert len(warnings) == 1 and warnings[0].startswith(
         f"{deeper} holds 96 tensor(s) that --model resnet18 does not have (layer1.2.bn1.bias, ")
     assert "left out; were the weights made for a deeper --model?" in warnings[0]
