@@ -658,11 +658,20 @@ def _cpu_has_native_bf16() -> bool:
         return False
 
 
-def _write_run_files(out: Path, scan: FolderScan, start_weights: str | None) -> None:
+def _write_run_files(out: Path, scan: FolderScan, fresh: bool, weights: str | None) -> None:
     """Rank 0, once the run is known to be valid: what the data scan found, kept with the run.
-    ``start_weights``: the --weights of a run that starts afresh (:func:`_keep_start_weights`)."""
+    ``fresh``: no checkpoint is continued; an earlier run's record of itself is copied into
+    ``.previous-run`` first, so that putting it back restores it whole (:func:`_write_start_files`)
+    and a ``--weights`` file this run would save over is kept (:func:`_keep_start_weights`)."""
     with _writing_in(out):
-        _keep_start_weights(out, start_weights)
+        if fresh and (out / "checkpoint.pth").is_file():
+            for name in ("class_indices.json", "args.json", "metrics.jsonl"):
+                dest = out / PREVIOUS_RUN / name
+                if (out / name).is_file() and not dest.exists():  # not an earlier attempt's
+                    dest.parent.mkdir(exist_ok=True)
+                    shutil.copy2(out / name, dest)
+        if fresh:
+            _keep_start_weights(out, weights)
         skipped = out / "skipped_files.txt"
         if scan.skipped:  # nothing is lost silently: the full list stays with the run
             skipped.write_text("".join(f"{p}\t{why}\n" for p, why in scan.skipped),
@@ -1524,8 +1533,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                   "on, or use another --output-dir.")
         model.load_state_dict(state)
     if not args.eval_only:
-        _check_on_rank0(_write_run_files, out, scan, args.weights if ckpt is None else None,
-                        info=info)
+        _check_on_rank0(_write_run_files, out, scan, ckpt is None, args.weights, info=info)
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     model_without_ddp = model

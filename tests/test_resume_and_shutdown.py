@@ -597,6 +597,8 @@ def test_resume_none_stopped_before_its_first_save_loses_nothing(run_a, tmp_path
                                  f"{aside}: continue it with `cp -r {aside}/. {out}/ && rm -r "
                                  f"{aside}`") in errors[0], err[-3000:]
     subprocess.run(f"cp -r {aside}/. {out}/ && rm -r {aside}", shell=True, check=True)
+    for name in ("class_indices.json", "args.json", "metrics.jsonl"):  # its record, too
+        assert (out / name).read_bytes() == (run_a / name).read_bytes(), name
     code, err = train_here(flags(tiny_data, out, "--epochs", str(EPOCHS)))
     assert code == 0, err[-3000:]
     assert f"holds epochs 0-{EPOCHS - 1}, so --epochs {EPOCHS} leaves nothing to train" in err
