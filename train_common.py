@@ -699,9 +699,7 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
     with _writing_in(out):
         if fresh:
             kept = Path(weights).resolve() if weights else None
-            found = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
-                                 *(out / "weights").glob("model-*.pth")) if p.is_file()]
-            stale = [p for p in found if p.resolve() != kept]
+            stale = [p for p in _saved_files(out) if p.resolve() != kept]
             events = sorted((out / "tensorboard").rglob("events.out.tfevents.*"))
             for path in stale + events:
                 dest = out / PREVIOUS_RUN / path.relative_to(out)
@@ -720,6 +718,12 @@ def _write_start_files(out: Path, run_args: dict[str, Any], history: list[dict[s
         _write_metrics(out / "metrics.jsonl", history)
 
 
+def _saved_files(out: Path) -> list[Path]:
+    """The checkpoint and weight files a run saves in ``out`` that are there now."""
+    return [p for p in (out / "checkpoint.pth", out / "model_best.pth",
+                        *(out / "weights").glob("model-*.pth")) if p.is_file()]
+
+
 def _keep_start_weights(out: Path, weights: str | None) -> None:
     """``--resume none --weights <out>/weights/model-N.pth`` (or ``model_best.pth``,
     ``checkpoint.pth``): this run saves its own file under that name at epoch N or sooner, and
@@ -730,10 +734,8 @@ def _keep_start_weights(out: Path, weights: str | None) -> None:
     file) where the file system allows."""
     if not weights:
         return
-    found = [p for p in (out / "checkpoint.pth", out / "model_best.pth",
-                         *(out / "weights").glob("model-*.pth"))
-             if p.is_file() and not p.is_symlink()]  # a link's target is not saved over
-    path = next((p for p in found if p.resolve() == Path(weights).resolve()), None)
+    path = next((p for p in _saved_files(out) if p.resolve() == Path(weights).resolve()
+                 and not p.is_symlink()), None)  # a link's target is not saved over
     if path is None:
         return
     folder = out / STARTED_FROM
