@@ -148,7 +148,8 @@ def _sync(device: torch.device) -> None:
 def _collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``[(image (3, H, W), label), ...]`` -> ``(images (N, 3, H, W), labels (N,))``.
 
-    The collate of both datasets (the template's and ``MyDataSet.collate_fn`` are this stack).
+    The collate of both datasets (the template's, and ``MyDataSet.collate_fn`` outside a
+    DataLoader worker, are this stack; in a worker it stacks into shared memory).
     """
     images, labels = tuple(zip(*batch))
     return torch.stack(images, dim=0), torch.as_tensor(labels, dtype=torch.int64)

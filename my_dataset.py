@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, ImageOps
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate, get_worker_info
 try:  # deprecated in torchvision 0.29 in favour of TorchCodec: once removed, PIL decodes
     from torchvision.io import ImageReadMode, decode_image, read_file
 except ImportError:  # pragma: no cover - depends on the installed torchvision
@@ -299,6 +299,16 @@ class MyDataSet(Dataset):
 
     @staticmethod
     def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[(image (3, H, W), label), ...]`` -> ``(images (N, 3, H, W), labels (N,) int64)``."""
+        """``[(image (3, H, W), label), ...]`` -> ``(images (N, 3, H, W), labels (N,) int64)``.
+
+        In a DataLoader worker both are built in shared memory, as ``default_collate`` builds
+        its tensors: a full ``/dev/shm`` (a container's default is 64 MB) then fails the batch
+        in the worker, and the loader raises that in the training process. Built in private
+        memory, they would be moved there by the worker queue's feeder thread, which only
+        prints its error and drops the batch: training waited for it forever.
+        """
         images, labels = tuple(zip(*batch))
-        return torch.stack(images, dim=0), torch.as_tensor(labels, dtype=torch.int64)
+        labels = torch.as_tensor(labels, dtype=torch.int64)
+        if get_worker_info() is not None:
+            labels.share_memory_()
+        return default_collate(list(images)), labels

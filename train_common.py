@@ -44,7 +44,8 @@ from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, 
                                                  LaunchError, all_gather_object, all_ranks_ok,
                                                  broadcast_object, cleanup, cpus_per_process,
                                                  init_distributed_mode, nccl_setup_error,
-                                                 peer_failure, register_comm_hook)
+                                                 peer_failure, processes_on_node,
+                                                 register_comm_hook)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, common_amp_dtype, evaluate,
                                                resolve_amp_dtype, train_one_epoch)
@@ -440,6 +441,13 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             # A peer stopped on the same signal first: the run was interrupted, nothing failed.
             _stop_interrupted(_signal_received, args, info)
         worker = _WORKER_DIED.search(str(exc))
+        if _SHM_FULL.search(str(exc)) or worker and "Bus error" in worker.group(0):
+            _quiet_second_signal()
+            _expect_worker_deaths()
+            report, need = _shm_report(args, info)
+            log.error("error: out of shared memory%s; %s. Run the same command again: it "
+                      "continues from %s.", report, _shm_advice(need), _continues_from(args))
+            sys.exit(1)
         if worker:  # raised by torch's SIGCHLD handler wherever the rank was: not a traceback
             _quiet_second_signal()
             _expect_worker_deaths()
@@ -502,6 +510,24 @@ def _launched_local_rank() -> int:
 # torch's words for a DataLoader worker that died (its SIGCHLD handler raises them in the rank).
 _WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? [^)]*\) (is killed by signal: "
                           r"[^.\n]*|exited unexpectedly[^.\n]*)")
+
+
+# torch's words for a tensor it could not put into shared memory (/dev/shm full): a worker's
+# batch, which the loader raises in the rank (MyDataSet.collate_fn builds batches there, in the
+# worker), or the dataset's shared counters.
+_SHM_FULL = re.compile(r"unable to (?:allocate shared memory\(shm\) for file|open shared memory "
+                       r"object|write to file) <")
+
+
+def _shm_report(args: argparse.Namespace, info: DistInfo | None) -> tuple[str, int]:
+    """`` (/dev/shm: 64 MiB, 0 MiB free; ...)`` for messages, and the bytes the loaders need."""
+    workers = default_workers(args.batch_size) if args.workers is None else args.workers
+    need, how = shm_use(args.batch_size, args.img_size, workers,
+                        info.device if info is not None else torch.device("cpu"))
+    space = shm_space()
+    have = "" if space is None else f"{SHM_DIR}: {_mib(space[0])}, {_mib(space[1])} free; "
+    return (f" ({have}this machine's DataLoader workers may keep up to {_mib(need)} of batches "
+            f"there: {how})", need)
 
 
 def _continues_from(args: argparse.Namespace) -> str:
@@ -569,6 +595,10 @@ def _scan_on_rank0(root: str, verify: bool, info: DistInfo, min_classes: int) ->
     return result
 
 
+PREFETCH_FACTOR = 4  # batches each DataLoader worker keeps in flight
+SHM_DIR = "/dev/shm"  # where DataLoader workers hand their batches over (POSIX shared memory)
+
+
 def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
     """``DataLoader`` arguments of both loaders (the benchmark's too): ``MyDataSet`` batches.
 
@@ -578,8 +608,55 @@ def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(num_workers=workers, collate_fn=MyDataSet.collate_fn,
                                   pin_memory=device.type == "cuda")
     if workers > 0:  # both are refused by DataLoader without workers
-        kwargs.update(persistent_workers=True, prefetch_factor=4)
+        kwargs.update(persistent_workers=True, prefetch_factor=PREFETCH_FACTOR)
     return kwargs
+
+
+def shm_use(batch_size: int, img_size: int, workers: int, device: torch.device) -> tuple[int, str]:
+    """The most bytes of batches this machine's loaders may hold in shared memory at once, and
+    how that is counted.
+
+    A worker's finished batch (uint8 images) waits there until its process takes it: on CPU up
+    to ``PREFETCH_FACTOR`` per worker when training is the slower side; on CUDA the pin-memory
+    thread copies each out as it arrives, so about one per worker.
+    """
+    batch = batch_size * 3 * img_size ** 2
+    per_worker = 1 if device.type == "cuda" else PREFETCH_FACTOR
+    processes = processes_on_node()
+    return (processes * workers * per_worker * batch,
+            f"{processes} process(es) x {workers} worker(s) x {per_worker} batch(es) of "
+            f"{_mib(batch)}")
+
+
+def _mib(size: int) -> str:
+    if size < 2**20:
+        return f"{size / 2**10:.0f} KiB"
+    return f"{size / 2**20:.{0 if size >= 10 * 2**20 else 1}f} MiB"
+
+
+def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
+    """``(size, free)`` bytes of the shared-memory file system; None where there is none."""
+    try:
+        st = os.statvfs(path)
+    except OSError:  # macOS has no /dev/shm (its shared memory has no such limit)
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _shm_advice(need: int) -> str:
+    size = max(1, math.ceil(need * 1.5 / 2**30))  # room for the other tensors workers pass
+    return (f"in a container give it more (docker run --shm-size={size}g, or --ipc=host; "
+            "Kubernetes: an emptyDir volume with medium Memory at /dev/shm), or lower --workers "
+            "or --batch-size")
+
+
+def _warn_if_shm_small(args: argparse.Namespace, workers: int, device: torch.device) -> None:
+    space = shm_space()
+    need, how = shm_use(args.batch_size, args.img_size, workers, device)
+    if space is not None and space[1] < need:
+        log.warning("%s has %s free, but this machine's DataLoader workers may keep up to %s of "
+                    "batches there (%s); if it fills, the run stops with 'out of shared "
+                    "memory': %s.", SHM_DIR, _mib(space[1]), _mib(need), how, _shm_advice(need))
 
 
 def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
@@ -631,6 +708,8 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
         train_sampler, args.batch_size, drop_last=True), **loader_kwargs(workers, info.device))
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
                             **loader_kwargs(workers, info.device))
+    if workers and info.local_rank == 0:  # one warning per machine: its ranks share /dev/shm
+        _warn_if_shm_small(args, workers, info.device)
     # Both loaders keep their workers between epochs (persistent_workers): say both counts.
     log.info("%s%d validation images, %d classes, %s loader worker(s) per process",
              "" if args.eval_only else f"{len(train_set)} training / ", len(val_set), num_classes,

@@ -474,6 +474,16 @@ def register_comm_hook(model: torch.nn.Module, name: str) -> None:
     model.register_comm_hook(None, hook[name])  # None: the default process group
 
 
+def processes_on_node() -> int:
+    """The run's processes on this machine, as the launcher says (torchrun and the spawn launcher
+    ``LOCAL_WORLD_SIZE``, SLURM the step's tasks per node); 1 when it does not say."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return max(1, _env_int("LOCAL_WORLD_SIZE"))
+    if "SLURM_PROCID" in os.environ:
+        return max(1, _slurm_tasks_per_node())
+    return 1
+
+
 def cpus_per_process() -> int:
     """The CPUs this process may use for its threads and DataLoader workers (at least 1).
 

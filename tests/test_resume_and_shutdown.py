@@ -780,6 +780,90 @@ def test_a_killed_loader_worker_is_one_line_with_the_likely_cause(tmp_path, tiny
                      r"again: it continues from the start\.", errors[0]), errors[0]
 
 
+def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path, tiny_data):
+    """Docker's 64 MB /dev/shm fills: a worker cannot put its batch into shared memory. Built
+    in private memory, the batch was moved there by the worker queue's feeder thread, which only
+    printed the error: training waited for the batch forever (seen: 2 processes at 224 px,
+    batch 32). Every tensor a worker shares fails here, as when /dev/shm is full."""
+    script = textwrap.dedent("""
+        import sys, torch
+        import train_common
+        from train_multi_gpu_using_launch import get_args_parser
+        from torch.utils.data import get_worker_info
+        def full(share):
+            def share_in_worker(*args, **kwargs):
+                if get_worker_info() is None:  # the dataset's counters, made before training
+                    return share(*args, **kwargs)
+                raise RuntimeError("unable to allocate shared memory(shm) for file "
+                                   "</torch_1_2_3>: No space left on device (28)")
+            return share_in_worker
+        storage = torch.UntypedStorage
+        storage._share_fd_cpu_ = full(storage._share_fd_cpu_)
+        storage._new_using_fd_cpu = classmethod(full(storage._new_using_fd_cpu))
+        train_common.shm_space = lambda path=None: (64 * 2**20, 0)
+        train_common.train(get_args_parser().parse_args(sys.argv[1:]))
+    """)
+    result = run([sys.executable, "-c", script, *flags(tiny_data, tmp_path / "out", workers=1)],
+                 timeout=120, PYTHONPATH=str(ROOT))
+    assert result.returncode == 1, result.stderr[-3000:] + result.stdout[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    batch = 4 * 3 * 32 * 32  # TINY_FLAGS: batch 4 at 32 px, uint8
+    how = f"1 process(es) x 1 worker(s) x 4 batch(es) of {batch // 1024} KiB"
+    assert errors[0].endswith(
+        f"error: out of shared memory (/dev/shm: 64 MiB, 0 KiB free; this machine's DataLoader "
+        f"workers may keep up to {4 * batch // 1024} KiB of batches there: {how}); in a "
+        "container give it more (docker run --shm-size=1g, or --ipc=host; Kubernetes: an emptyDir "
+        "volume with medium Memory at /dev/shm), or lower --workers or --batch-size. Run the same "
+        "command again: it continues from the start."), errors[0]
+    # Said before training too, with the same count, once /dev/shm has less free than that.
+    assert f"/dev/shm has 0 KiB free, but this machine's DataLoader workers may keep up to " \
+           f"{4 * batch // 1024} KiB of batches there ({how})" in result.stderr
+
+
+def test_a_worker_killed_by_sigbus_is_said_to_lack_shared_memory(tmp_path, tiny_data, train_here,
+                                                                 monkeypatch):
+    """torch's words when /dev/shm runs out as a worker writes its batch (SIGBUS): the fix is
+    more shared memory, not the out-of-memory killer's advice."""
+    import train_common
+
+    def run(args, info):
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Bus error. It is "
+                           "possible that dataloader's workers are out of shared memory. Please "
+                           "try to raise your shared memory limit.")
+    monkeypatch.setattr(train_common, "_run", run)
+    monkeypatch.setattr(train_common, "shm_space", lambda path=None: (64 * 2**20, 3 * 2**20))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks on this machine share /dev/shm
+    code, err = train_here(flags(tiny_data, tmp_path / "out", "--img-size", "224",
+                                 "--batch-size", "64", workers=8))
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "out-of-memory killer" not in err, err[-3000:]
+    # 8 x 8 x 4 batches of 64 x 3 x 224 x 224 bytes = 2352 MiB: 4 GiB asked for, with room
+    assert ("error: out of shared memory (/dev/shm: 64 MiB, 3.0 MiB free; this machine's "
+            "DataLoader workers may keep up to 2352 MiB of batches there: 8 process(es) x 8 "
+            "worker(s) x 4 batch(es) of 9.2 MiB); in a container give it more (docker run "
+            "--shm-size=4g, or --ipc=host;") in errors[0], errors[0]
+
+
+def test_shared_memory_need_counts_every_rank_and_the_batches_each_worker_keeps(monkeypatch):
+    """On CPU a worker's finished batches wait in /dev/shm until training takes them (up to the
+    prefetch factor, 4); on CUDA the pin-memory thread copies each out as it comes. The ranks of
+    one machine share it: torchrun's LOCAL_WORLD_SIZE, or SLURM's tasks per node."""
+    from train_common import shm_use
+
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_TASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    batch = 16 * 3 * 64 * 64
+    assert shm_use(16, 64, 2, torch.device("cpu")) == (
+        2 * 4 * batch, "1 process(es) x 2 worker(s) x 4 batch(es) of 192 KiB")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)")
+    assert shm_use(16, 64, 2, torch.device("cuda", 1))[0] == 4 * 2 * 1 * batch
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert shm_use(16, 64, 2, torch.device("cpu"))[0] == 3 * 2 * 4 * batch
+
+
 def test_a_worker_dying_during_a_save_does_not_break_the_save():
     """torchrun's SIGTERM reaches the DataLoader workers a moment before their rank: torch's
     SIGCHLD handler raised inside torch.save ("unexpected pos", the epoch's file lost, a traceback
