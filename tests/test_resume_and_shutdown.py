@@ -747,6 +747,18 @@ def test_a_peer_lost_after_a_signal_is_reported_as_the_interrupt(tmp_path, tiny_
     assert "lost contact" not in err and "Traceback" not in err
 
 
+def one_error_line(script: str, data: Path, out: Path) -> tuple[str, str]:
+    """Run ``script`` on training flags with one loader worker, in a process of its own (a
+    worker's death is signalled to that process, as in a real run): it must exit 1 with one
+    error line and no traceback. Returns that line and the whole stderr."""
+    result = run([sys.executable, "-c", script, *flags(data, out, workers=1)], timeout=120,
+                 PYTHONPATH=str(ROOT))
+    assert result.returncode == 1, result.stderr[-3000:] + result.stdout[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0], result.stderr
+
+
 def test_a_killed_loader_worker_is_one_line_with_the_likely_cause(tmp_path, tiny_data):
     """The OOM killer takes a DataLoader worker: torch raises "DataLoader worker (pid N) is
     killed by signal: Killed." wherever the rank happens to be (from its SIGCHLD handler, e.g.
@@ -767,17 +779,13 @@ def test_a_killed_loader_worker_is_one_line_with_the_likely_cause(tmp_path, tiny
         train_common.train_one_epoch = killing
         train_common.train(get_args_parser().parse_args(sys.argv[1:]))
     """)
-    result = run([sys.executable, "-c", script, *flags(tiny_data, tmp_path / "out", workers=1)],
-                 timeout=120, PYTHONPATH=str(ROOT))
-    assert result.returncode == 1, result.stderr[-3000:] + result.stdout[-3000:]
-    errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    error, stderr = one_error_line(script, tiny_data, tmp_path / "out")
     # Which words torch uses depends on which of its checks sees the death first.
     assert re.search(r"error: DataLoader worker \(pid(\(s\))? \d+\) (is killed by signal: Killed|"
                      r"exited unexpectedly) - most often the out-of-memory killer \(see dmesg\): "
                      r"lower --workers or --batch-size, or give the job more memory \(a crash in "
                      r"native code shows its own error with --workers 0\)\. Run the same command "
-                     r"again: it continues from the start\.", errors[0]), errors[0]
+                     r"again: it continues from the start\.", error), error
 
 
 def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path, tiny_data):
@@ -803,22 +811,18 @@ def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path,
         train_common.shm_space = lambda path=None: (64 * 2**20, 0)
         train_common.train(get_args_parser().parse_args(sys.argv[1:]))
     """)
-    result = run([sys.executable, "-c", script, *flags(tiny_data, tmp_path / "out", workers=1)],
-                 timeout=120, PYTHONPATH=str(ROOT))
-    assert result.returncode == 1, result.stderr[-3000:] + result.stdout[-3000:]
-    errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    error, stderr = one_error_line(script, tiny_data, tmp_path / "out")
     batch = 4 * 3 * 32 * 32  # TINY_FLAGS: batch 4 at 32 px, uint8
     how = f"1 process(es) x 1 worker(s) x 4 batch(es) of {batch // 1024} KiB"
-    assert errors[0].endswith(
+    assert error.endswith(
         f"error: out of shared memory (/dev/shm: 64 MiB, 0 KiB free; this machine's DataLoader "
         f"workers may keep up to {4 * batch // 1024} KiB of batches there: {how}); in a "
         "container give it more (docker run --shm-size=1g, or --ipc=host; Kubernetes: an emptyDir "
         "volume with medium Memory at /dev/shm), or lower --workers or --batch-size. Run the same "
-        "command again: it continues from the start."), errors[0]
+        "command again: it continues from the start."), error
     # Said before training too, with the same count, once /dev/shm has less free than that.
     assert f"/dev/shm has 0 KiB free, but this machine's DataLoader workers may keep up to " \
-           f"{4 * batch // 1024} KiB of batches there ({how})" in result.stderr
+           f"{4 * batch // 1024} KiB of batches there ({how})" in stderr
 
 
 def test_a_worker_killed_by_sigbus_is_said_to_lack_shared_memory(tmp_path, tiny_data, train_here,
