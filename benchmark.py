@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -61,9 +62,9 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import Dataset
 
 from model import MODELS, get_model
-from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup, find_free_port,
-                                                 init_distributed_mode, register_comm_hook,
-                                                 set_launch_env)
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cgroup_cpu_limit, cleanup,
+                                                 find_free_port, init_distributed_mode,
+                                                 register_comm_hook, set_launch_env)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, prepare_images,
                                                 resolve_amp_dtype, train_one_epoch)
@@ -738,9 +739,10 @@ def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequenc
 
 # ---------------------------------------------------------------- report
 def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """The CPU set this process may run on, or fewer where a CPU quota allows less time."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = cgroup_cpu_limit()
+    return min(cpus or 1, math.ceil(quota)) if quota is not None else cpus or 1
 
 
 def _host_info(device: torch.device) -> dict[str, Any]:

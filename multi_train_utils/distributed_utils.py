@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import math
 import os
 import re
 import socket
@@ -484,16 +485,77 @@ def processes_on_node() -> int:
     return 1
 
 
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup"
+                     ) -> float | None:
+    """The CPU time per second this process's cgroup may use (``docker run --cpus``, a
+    Kubernetes CPU limit), or None without a limit (or off Linux).
+
+    A quota does not shrink the CPU set: a pod limited to 4 CPUs on a 64-core node sees 64, and
+    64 threads share 4 CPUs' time, throttled together (2 threads under a 1-CPU quota trained at
+    0.6x of 1 thread here). Reads cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us`` of the process's cgroup and its ancestors: the smallest wins. Inside a
+    container the cgroup folder may be mounted as the root while ``own`` names the host's path:
+    then the root's is read.
+    """
+    try:
+        with open(own, encoding="utf-8") as f:
+            entries = [line.split(":", 2) for line in f.read().splitlines() if line.count(":") >= 2]
+    except OSError:
+        return None
+    limits = []
+    for _, controllers, path in entries:
+        if not controllers:  # cgroup v2: one tree
+            bases, read = [root], _read_cpu_max
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's tree ("cpu,cpuacct")
+            bases, read = [os.path.join(root, controllers), os.path.join(root, "cpu")], _read_cfs
+        else:
+            continue
+        for base in dict.fromkeys(bases):
+            folder = os.path.normpath(os.path.join(base, path.lstrip("/")))
+            while True:  # the cgroup, then each ancestor up to the tree's root
+                limit = read(folder)  # None where the folder is not there or has no limit
+                if limit:
+                    limits.append(limit)
+                if len(folder) <= len(base):
+                    break
+                folder = os.path.dirname(folder)
+    return min(limits) if limits else None
+
+
+def _read_cpu_max(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.max"), encoding="utf-8") as f:
+            quota, period = f.read().split()  # "max 100000": no limit
+        return int(quota) / int(period) if quota != "max" else None
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _read_cfs(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us"), encoding="utf-8") as f:
+            quota = int(f.read())  # -1: no limit
+        with open(os.path.join(folder, "cpu.cfs_period_us"), encoding="utf-8") as f:
+            period = int(f.read())
+        return quota / period if quota > 0 else None
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
 def cpus_per_process() -> int:
     """The CPUs this process may use for its threads and DataLoader workers (at least 1).
 
     Counts the CPU set the process may run on (a SLURM allocation or container limit, not the
-    whole host as ``os.cpu_count()`` does). torchrun and the spawn launcher start
+    whole host as ``os.cpu_count()`` does), or fewer where a CPU quota allows less time than
+    that set (:func:`cgroup_cpu_limit`, rounded up). torchrun and the spawn launcher start
     ``LOCAL_WORLD_SIZE`` processes on a node that share that set; SLURM gives each task its own
     ``SLURM_CPUS_PER_TASK``, or else the node's ``SLURM_CPUS_ON_NODE`` shared by its tasks.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpus = cpus or 1
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
     if "LOCAL_WORLD_SIZE" in os.environ:
         cpus //= max(1, _env_int("LOCAL_WORLD_SIZE"))
     elif "SLURM_CPUS_PER_TASK" in os.environ:

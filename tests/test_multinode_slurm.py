@@ -295,8 +295,44 @@ def test_slurm_master_addr_fallbacks_and_scontrol(slurm_env, tmp_path):
     assert distributed_utils._slurm_master_addr() == "expanded-a"
 
 
+def _cgroup_files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("own, files, want", [
+    # cgroup v2 (a Kubernetes pod limited to 4 CPUs): the pod's folder sets it, not the container's
+    ("0::/kubepods/pod1/ctr\n", {"kubepods/cpu.max": "max 100000\n",
+                                 "kubepods/pod1/cpu.max": "400000 100000\n",
+                                 "kubepods/pod1/ctr/cpu.max": "max 100000\n"}, 4.0),
+    ("0::/kubepods/pod1/ctr\n", {"kubepods/cpu.max": "150000 100000\n",
+                                 "kubepods/pod1/cpu.max": "400000 100000\n"}, 1.5),  # smallest
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # a cgroup namespace without a limit
+    # cgroup v1, docker --cpus=2 without a cgroup namespace: /proc/self/cgroup names the host's
+    # path, but the container's own folder is mounted as the tree's root
+    ("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n",
+     {"cpu,cpuacct/cpu.cfs_quota_us": "200000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+     2.0),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("2:memory:/x\n", {"memory/memory.limit_in_bytes": "1\n"}, None),  # no cpu controller
+])
+def test_cgroup_cpu_limit_reads_the_quota_of_the_cgroup_and_its_ancestors(own, files, want,
+                                                                            tmp_path):
+    _cgroup_files(tmp_path / "fs", files)
+    (tmp_path / "own").write_text(own)
+    assert distributed_utils.cgroup_cpu_limit(str(tmp_path / "fs"), str(tmp_path / "own")) == want
+
+
+def test_cgroup_cpu_limit_is_none_off_linux(tmp_path):
+    assert distributed_utils.cgroup_cpu_limit(str(tmp_path), str(tmp_path / "no-such-file")) is None
+
+
 @pytest.mark.parametrize("env, allowed, host, want", [
     ({}, 16, 128, 16),  # a job's CPU set, not the host's 128 cores
+    ({"QUOTA": 4.0}, 64, 64, 4),  # docker run --cpus=4 on 64 cores: 4 CPUs' time, not 64
+    ({"QUOTA": 1.5, "LOCAL_WORLD_SIZE": "2"}, 64, 64, 1),  # rounded up, shared by 2 ranks
+    ({"QUOTA": 8.0}, 2, 64, 2),  # a quota above the CPU set changes nothing
     ({"LOCAL_WORLD_SIZE": "8"}, 16, 128, 2),  # torchrun's 8 ranks share the node's set
     ({"LOCAL_WORLD_SIZE": "8"}, 4, 4, 1),  # never 0: the loader needs a worker
     ({"SLURM_CPUS_PER_TASK": "6"}, 64, 64, 6),  # srun tasks sharing an unbound node
@@ -310,6 +346,9 @@ def test_cpus_per_process_counts_the_allowed_cpus_per_local_rank(slurm_env, env,
                                                                   want):
     slurm_env.setattr(os, "sched_getaffinity", lambda pid: set(range(allowed)), raising=False)
     slurm_env.setattr(os, "cpu_count", lambda: host)
+    env = dict(env)
+    quota = env.pop("QUOTA", None)  # this machine's own cgroup must not count here
+    slurm_env.setattr(distributed_utils, "cgroup_cpu_limit", lambda: quota)
     for key, value in env.items():
         slurm_env.setenv(key, value)
     assert distributed_utils.cpus_per_process() == want
