@@ -664,7 +664,13 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
                            DataLoader]:
     root = args.data_path
     if root is None:
-        root = str(make_demo_data(args.demo_dir or default_demo_root()))
+        demo = args.demo_dir or default_demo_root()
+        try:
+            root = str(make_demo_data(demo))
+        except OSError as err:  # e.g. a container user whose HOME cannot be written
+            raise DataError(f"could not write the demo dataset to {demo} "
+                            f"({err.strerror or err}); pass --demo-dir (or set DDP_DEMO_DATA to) "
+                            "a folder you can write, or --data-path your own images.") from None
         log.info("no --data-path given: training on the generated demo dataset in %s", root)
     # One class is enough to score against a model that knows more (checked once it is read).
     scan = _scan_on_rank0(root, args.verify_images, info, 1 if args.eval_only else 2)

@@ -2217,6 +2217,22 @@ def test_an_empty_path_is_refused_not_read_as_none(script, argv, name, capsys):
                          "give a path"), line
 
 
+def test_a_demo_dataset_that_cannot_be_written_is_one_line(tmp_path, train_here):
+    """A container user whose HOME cannot be written (OpenShift's random uid, HOME=/) runs the
+    demo: its default cache folder cannot be made. (A file in the way stands in for the
+    permissions: this suite may run as root.)"""
+    (tmp_path / "home").write_text("not a folder")
+    code, err = train_here([*TINY_FLAGS, "--output-dir", str(tmp_path / "out"),
+                            "--demo-dir", str(tmp_path / "home" / "cache" / "demo")])
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert errors[0].endswith(
+        f"error: could not write the demo dataset to {tmp_path / 'home' / 'cache' / 'demo'} (Not "
+        "a directory); pass --demo-dir (or set DDP_DEMO_DATA to) a folder you can write, or "
+        "--data-path your own images."), errors[0]
+
+
 @pytest.mark.parametrize("where", ["folder", "run-files", "args"])
 def test_an_unwritable_output_dir_is_one_line(where, tmp_path, tiny_data, train_here,
                                               monkeypatch):
