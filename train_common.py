@@ -520,7 +520,7 @@ _SHM_FULL = re.compile(r"unable to (?:allocate shared memory\(shm\) for file|ope
 
 
 def _shm_report(args: argparse.Namespace, info: DistInfo | None) -> tuple[str, int]:
-    """`` (/dev/shm: 64 MiB, 0 MiB free; ...)`` for messages, and the bytes the loaders need."""
+    """`` (/dev/shm: 64 MiB, 0 KiB free; ...)`` for messages, and the bytes the loaders need."""
     workers = default_workers(args.batch_size) if args.workers is None else args.workers
     need, how = shm_use(args.batch_size, args.img_size, workers,
                         info.device if info is not None else torch.device("cpu"))
