@@ -215,11 +215,17 @@ class MyDataSet(Dataset):
         self.report_errors = report_errors
         self.skip_log = skip_log
         # Shared memory, so persistent DataLoader workers see set_epoch() from the main process.
-        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
-        # Shared too: whichever worker meets a bad sample in whichever epoch, it is reported once.
-        self._reported = torch.zeros(len(self.images_path), dtype=torch.bool).share_memory_()
-        # How many were logged, shared too: a folder of bad files must not flood the log.
-        self._logged = torch.zeros(1, dtype=torch.int64).share_memory_()
+        # Shared too: whichever worker meets a bad sample in whichever epoch, it is reported once;
+        # and how many were logged: a folder of bad files must not flood the log.
+        counters = (torch.zeros(1, dtype=torch.int64), torch.zeros(len(self.images_path),
+                                                                   dtype=torch.bool),
+                    torch.zeros(1, dtype=torch.int64))
+        try:
+            self._epoch, self._reported, self._logged = (t.share_memory_() for t in counters)
+            self._unshared = None
+        except RuntimeError as exc:  # /dev/shm read-only, absent or full: fine without workers
+            self._epoch, self._reported, self._logged = counters
+            self._unshared = str(exc)
         # This process's view of skip_log: the names read so far, and up to which byte.
         self._skip_names: set[bytes] = set()
         self._skip_read = 0
@@ -239,6 +245,9 @@ class MyDataSet(Dataset):
                 else Image.new("RGB", (8, 8)))
 
     def __getitem__(self, item: int) -> tuple[Any, int]:
+        if self._unshared and get_worker_info() is not None:
+            # A worker would not see set_epoch(): the same augmentation every epoch, unsaid.
+            raise RuntimeError(self._unshared)
         path, label = self.images_path[item], int(self.images_class[item])
         try:
             img = self._load(path)

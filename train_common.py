@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import gc
 import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -441,12 +443,18 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             # A peer stopped on the same signal first: the run was interrupted, nothing failed.
             _stop_interrupted(_signal_received, args, info)
         worker = _WORKER_DIED.search(str(exc))
+        unusable = _shm_unusable(str(exc))
+        if unusable:  # it was fine at the start (see _shm_unusable_here)
+            _quiet_second_signal()
+            _expect_worker_deaths()
+            log.error("error: %s %s", _shm_unusable_message(unusable), _rerun_sentence(args))
+            sys.exit(1)
         if _SHM_FULL.search(str(exc)) or worker and "Bus error" in worker.group(0):
             _quiet_second_signal()
             _expect_worker_deaths()
             report, need = _shm_report(args, info)
-            log.error("error: out of shared memory%s; %s. Run the same command again: it "
-                      "continues from %s.", report, _shm_advice(need), _continues_from(args))
+            log.error("error: out of shared memory%s; %s. %s", report, _shm_advice(need),
+                      _rerun_sentence(args))
             sys.exit(1)
         if worker:  # raised by torch's SIGCHLD handler wherever the rank was: not a traceback
             _quiet_second_signal()
@@ -454,8 +462,8 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             # torch names the signal only when its SIGCHLD handler saw the death first.
             log.error("error: %s - most often the out-of-memory killer (see dmesg): lower "
                       "--workers or --batch-size, or give the job more memory (a crash in native "
-                      "code shows its own error with --workers 0). Run the same command again: "
-                      "it continues from %s.", worker.group(0), _continues_from(args))
+                      "code shows its own error with --workers 0). %s", worker.group(0),
+                      _rerun_sentence(args))
             sys.exit(1)
         nccl_refused = nccl_setup_error(exc)
         if nccl_refused and not _set_up:
@@ -467,8 +475,7 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             _quiet_second_signal()
             log.error("error: NCCL failed during the run (%s): most often a GPU fault or GPU "
                       "memory running out (see dmesg, nvidia-smi; NCCL_DEBUG=INFO says more). "
-                      "Run the same command again: it continues from %s.", nccl_refused,
-                      _continues_from(args))
+                      "%s", nccl_refused, _rerun_sentence(args))
             sys.exit(1)
         reason = peer_failure(exc) if info is None or info.distributed else None
         if reason is None:
@@ -484,8 +491,8 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
                       _waiting_for, reason)
             sys.exit(1)
         log.error("error: lost contact with the other processes of the run (%s); usually one of "
-                  "them died or hung - its own output says why. Run the same command again: it "
-                  "continues from %s.", reason, _continues_from(args))
+                  "them died or hung - its own output says why. %s", reason,
+                  _rerun_sentence(args))
         sys.exit(1)
     finally:
         _quiet_second_signal()
@@ -519,6 +526,41 @@ _SHM_FULL = re.compile(r"unable to (?:allocate shared memory\(shm\) for file|ope
                        r"object|write to file) <")
 
 
+# The reason torch gives after a shared-memory file's name: "...: Read-only file system (30)".
+_SHM_REASON = re.compile(_SHM_FULL.pattern + r"[^>\n]*>[^:\n]*: ([^\n]*?) \((\d+)\)")
+
+
+def _shm_unusable(text: str) -> str | None:
+    """The reason, when torch could not use /dev/shm at all (read-only, absent, no permission)
+    rather than for lack of space."""
+    found = _SHM_REASON.search(text)
+    if found and int(found.group(2)) in (errno.EROFS, errno.ENOENT, errno.EACCES, errno.EPERM,
+                                         errno.ENOTDIR):
+        return found.group(1)
+    return None
+
+
+def _shm_unusable_here() -> str | None:
+    """Why DataLoader workers could not use /dev/shm on this machine (read-only, absent, no
+    permission: their queues' semaphores and batches live there), or None."""
+    try:
+        multiprocessing.Lock()
+        torch.zeros(1).share_memory_()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    except RuntimeError as exc:  # torch's own words; a full /dev/shm is said elsewhere
+        return _shm_unusable(str(exc))
+    return None
+
+
+def _shm_unusable_message(reason: str) -> str:
+    return (f"DataLoader workers cannot use shared memory ({SHM_DIR}: {reason}), which they pass "
+            f"every batch through; make it a writable tmpfs (docker: no read-only mount, "
+            f"--shm-size=1g or --ipc=host; Kubernetes: an emptyDir volume with medium Memory at "
+            f"{SHM_DIR}), or train with --workers 0 (slower: images are then loaded by the "
+            f"training process).")
+
+
 def _shm_report(args: argparse.Namespace, info: DistInfo | None) -> tuple[str, int]:
     """`` (/dev/shm: 64 MiB, 0 KiB free; ...)`` for messages, and the bytes the loaders need."""
     workers = default_workers(args.batch_size) if args.workers is None else args.workers
@@ -530,11 +572,27 @@ def _shm_report(args: argparse.Namespace, info: DistInfo | None) -> tuple[str, i
             f"there: {how})", need)
 
 
-def _continues_from(args: argparse.Namespace) -> str:
-    """Where a rerun of the same command continues, for messages."""
-    if (Path(args.output_dir) / "checkpoint.pth").is_file():
-        return f"the last complete checkpoint in {args.output_dir}"
-    return "the start"
+def rerun_hint(args: argparse.Namespace) -> str:
+    """What to run to continue the run, for messages: ``run the same command again: it continues
+    from ...``, or, when the command's --resume would not continue the run's own checkpoint
+    (``none`` starts over, a PATH starts from that file again), the flag to change."""
+    out = Path(args.output_dir)
+    checkpoint = out / "checkpoint.pth"
+    fresh = args.resume in (None, "", "none")
+    if not checkpoint.is_file():
+        if fresh or args.resume == "auto":
+            return "run the same command again: it continues from the start"
+        return f"run the same command again: it starts from {args.resume} again"
+    if not fresh and (args.resume == "auto" or Path(args.resume).resolve() == checkpoint.resolve()):
+        return f"run the same command again: it continues from the last complete checkpoint in {out}"
+    return (f"to continue from the last complete checkpoint in {out}, run the same command with "
+            f"--resume auto in place of --resume {args.resume or 'none'} (which would "
+            f"{'start over' if fresh else 'go back to that file'})")
+
+
+def _rerun_sentence(args: argparse.Namespace) -> str:
+    hint = rerun_hint(args)
+    return hint[0].upper() + hint[1:] + "."
 
 
 def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | None) -> NoReturn:
@@ -545,8 +603,7 @@ def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | N
     elif info is None or info.is_main:
         out = Path(args.output_dir)
         if (out / "checkpoint.pth").is_file():
-            log.error("interrupted by %s; the last complete checkpoint is in %s - run the "
-                      "same command again to resume.", signame, out)
+            log.error("interrupted by %s; %s.", signame, rerun_hint(args))
         else:
             log.error("interrupted by %s before the first epoch was saved; run the same "
                       "command again to start.%s", signame, _previous_run_hint(out))
@@ -710,6 +767,12 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
     val_sampler = DistributedSampler(val_set, num_replicas=info.world_size, rank=info.rank,
                                      shuffle=False)
     workers = default_workers(args.batch_size) if args.workers is None else args.workers
+    # Every rank: the worker count may differ between machines (their CPUs), the collective not.
+    unusable = _shm_unusable_here() if workers else None
+    if not all_ranks_ok(unusable is None):
+        raise ConfigError(_shm_unusable_message(unusable) if unusable else
+                          f"another machine's {SHM_DIR} cannot be used by DataLoader workers (its "
+                          "error line says why); fix it there, or train with --workers 0.")
     train_loader = DataLoader(train_set, batch_sampler=BatchSampler(
         train_sampler, args.batch_size, drop_last=True), **loader_kwargs(workers, info.device))
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
@@ -1822,7 +1885,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                         writer.add_scalar(tag, value, epoch)
                 writer.flush()
         with _signals_held():  # on every rank: a stop now waits until the epoch is on disk
-            _check_on_rank0(_save_epoch, out, epoch_state, record, is_best, args.keep_last,
+            _check_on_rank0(_save_epoch, out, epoch_state, record, is_best, args,
                             info=info)
         if writer and epoch == args.epochs - 1:  # after the save: the epoch is kept first
             with missing_glyphs_ignored():
@@ -1849,14 +1912,14 @@ def _previous_run_hint(out: Path) -> str:
 
 
 def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_best: bool,
-                keep_last: int) -> None:
+                args: argparse.Namespace) -> None:
     """Rank 0: the epoch's weights, best model, checkpoint and metrics line, all or nothing."""
     epoch = state["epoch"]
     written: list[Path] = []
     try:
         written.append(out / "weights" / f"model-{epoch}.pth")
         save_atomic(state["model"], written[-1])
-        prune_weights(out / "weights", keep_last, newest=epoch)
+        prune_weights(out / "weights", args.keep_last, newest=epoch)
         if is_best:
             written.append(out / "model_best.pth")
             save_atomic(state, written[-1])
@@ -1869,15 +1932,12 @@ def _save_epoch(out: Path, state: dict[str, Any], record: dict[str, Any], is_bes
             raise RunError(f"could not save epoch {epoch}: the folder {out} is gone (moved or "
                            "deleted during the run); to continue, run the command again with "
                            "--output-dir set to where the folder is now.") from None
-        done = "the start"
-        if (out / "checkpoint.pth").is_file():
-            done = "the last complete checkpoint"
-        else:  # no epoch is done: what this one wrote would pass for an earlier run on the rerun
+        if not (out / "checkpoint.pth").is_file():
+            # No epoch is done: what this one wrote would pass for an earlier run on the rerun.
             for path in written:
                 path.unlink(missing_ok=True)
         raise RunError(f"could not save epoch {epoch} in {out}: {exc.strerror or exc}; free space "
-                       f"or fix the folder, then run the same command again: it continues from "
-                       f"{done}.") from None
+                       f"or fix the folder, then {rerun_hint(args)}.") from None
 
 
 # Prefix of _split_digest for the per-file hash split; fingerprints without it (earlier versions

@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -29,7 +28,7 @@ import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import (find_free_port, parse_dist_url, set_launch_env,
                                                  wait_for_count, wait_for_port)
-from train_common import die_with_launcher, train
+from train_common import die_with_launcher, rerun_hint, train
 from train_common import get_args_parser as _common_parser
 
 log = logging.getLogger("spawn")
@@ -170,18 +169,6 @@ def _check_port_free(port: int) -> None:
                   "--dist-url, MASTER_PORT unset) to use a free one.")
 
 
-def _rerun(args: argparse.Namespace) -> str:
-    """What running the same command again does, as this machine sees the run's folder."""
-    if args.resume in (None, "", "none"):
-        return "it starts over (--resume none)"
-    if args.resume != "auto":
-        return f"it resumes from {args.resume}"
-    checkpoint = Path(args.output_dir) / "checkpoint.pth"
-    if checkpoint.is_file():
-        return f"it resumes from {checkpoint}"
-    return "no epoch was saved yet, so it starts from epoch 0"
-
-
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.node_rank >= args.nnodes:
@@ -219,21 +206,21 @@ def main(args: argparse.Namespace) -> None:
             pass
     except mp.ProcessExitedException as exc:
         if context.interrupted:
-            log.error("stopped by %s; run the same command again to resume from %s",
-                      signal.Signals(context.interrupted).name, args.output_dir)
+            log.error("stopped by %s; %s.", signal.Signals(context.interrupted).name,
+                      rerun_hint(args))
             sys.exit(128 + context.interrupted)
         code = exc.exit_code
         if code == 2:  # a user error: the child already said what is wrong
             sys.exit(2)
-        log.error("process %d (rank %d) failed (%s)%s. Fix the cause and run the same command "
-                  "again: %s.", exc.error_index, args.node_rank * nprocs + exc.error_index,
-                  f"signal {exc.signal_name}" if code is not None and code < 0 else f"exit code {code}",
-                  "; the others on this machine were stopped" if nprocs > 1 else "", _rerun(args))
+        others = "; the others on this machine were stopped" if nprocs > 1 else ""
+        how = f"signal {exc.signal_name}" if code is not None and code < 0 else f"exit code {code}"
+        log.error("process %d (rank %d) failed (%s)%s. Fix the cause, then %s.", exc.error_index,
+                  args.node_rank * nprocs + exc.error_index, how, others, rerun_hint(args))
         sys.exit(1)
     except mp.ProcessRaisedException as exc:
-        log.error("a process raised an error%s:\n%s\nFix the cause and run the same command "
-                  "again: %s.", "; the others on this machine were stopped" if nprocs > 1 else "", exc,
-                  _rerun(args))
+        others = "; the others on this machine were stopped" if nprocs > 1 else ""
+        log.error("a process raised an error%s:\n%s\nFix the cause, then %s.", others, exc,
+                  rerun_hint(args))
         sys.exit(1)
     if context.interrupted:
         sys.exit(128 + context.interrupted)

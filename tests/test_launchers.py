@@ -211,19 +211,33 @@ def test_freeze_layers_trains_only_fc():
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
 
 
+AGAIN = "run the same command again: it continues from "
+
+
 @pytest.mark.parametrize("resume, saved, want", [
-    ("auto", True, "it resumes from {out}/checkpoint.pth"),
-    ("auto", False, "no epoch was saved yet, so it starts from epoch 0"),
-    ("none", True, "it starts over (--resume none)"),
-    ("/elsewhere/model_best.pth", False, "it resumes from /elsewhere/model_best.pth"),
+    ("auto", True, AGAIN + "the last complete checkpoint in {out}"),
+    ("auto", False, AGAIN + "the start"),
+    ("{out}/checkpoint.pth", True, AGAIN + "the last complete checkpoint in {out}"),
+    ("none", False, AGAIN + "the start"),
+    ("none", True, "to continue from the last complete checkpoint in {out}, run the same command "
+                   "with --resume auto in place of --resume none (which would start over)"),
+    ("/elsewhere/model_best.pth", False, "run the same command again: it starts from "
+                                         "/elsewhere/model_best.pth again"),
+    ("/elsewhere/model_best.pth", True, "to continue from the last complete checkpoint in {out}, "
+                                        "run the same command with --resume auto in place of "
+                                        "--resume /elsewhere/model_best.pth (which would go back "
+                                        "to that file)"),
 ])
-def test_spawn_failure_message_says_what_a_rerun_does(tmp_path, resume, saved, want):
-    """It used to promise a resume from checkpoint.pth when no epoch had been saved."""
+def test_failure_messages_say_what_a_rerun_does(tmp_path, resume, saved, want):
+    """The spawn launcher promised a resume from checkpoint.pth when no epoch had been saved,
+    and the ranks promised one under --resume none, whose rerun starts over."""
     import train_multi_gpu_using_spawn as spawn
+    from train_common import rerun_hint
 
     out = tmp_path / "run"
     out.mkdir()
     if saved:
         (out / "checkpoint.pth").write_bytes(b"x")
-    args = spawn.get_args_parser().parse_args(["--output-dir", str(out), "--resume", resume])
-    assert spawn._rerun(args) == want.format(out=out)
+    args = spawn.get_args_parser().parse_args(["--output-dir", str(out),
+                                               "--resume", resume.format(out=out)])
+    assert rerun_hint(args) == want.format(out=out)

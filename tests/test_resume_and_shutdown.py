@@ -722,8 +722,8 @@ def test_a_second_ctrl_c_inside_torch_save_is_an_interrupt_not_a_traceback(tmp_p
     monkeypatch.setattr(torch, "save", real_save)
     assert code == 130, err[-3000:]
     assert "Traceback" not in err and "unexpected pos" not in err, err[-3000:]
-    assert (f"interrupted by SIGINT; the last complete checkpoint is in {out} - run the same "
-            "command again to resume.") in err
+    assert (f"interrupted by SIGINT; run the same command again: it continues from the last "
+            f"complete checkpoint in {out}.") in err
     assert "[epoch 1]" in err  # the epoch is reported before its save, even if that is stopped
     assert load_file(out / "checkpoint.pth")["epoch"] == 0
     assert not list(out.rglob(".*.tmp"))
@@ -788,30 +788,39 @@ def test_a_killed_loader_worker_is_one_line_with_the_likely_cause(tmp_path, tiny
                      r"again: it continues from the start\.", error), error
 
 
-def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path, tiny_data):
+SHM_FAILING = textwrap.dedent("""
+    import os, sys, torch
+    import train_common
+    from train_multi_gpu_using_launch import get_args_parser
+    from torch.utils.data import get_worker_info
+    def failing(share):  # torch's words (SHM_ERROR) as it shares a tensor
+        def share_here(*args, **kwargs):
+            if os.environ["SHM_FAILS"] == "in workers" and get_worker_info() is None:
+                return share(*args, **kwargs)  # e.g. the dataset's counters, made before training
+            raise RuntimeError(os.environ["SHM_ERROR"])
+        return share_here
+    storage = torch.UntypedStorage
+    storage._share_fd_cpu_ = failing(storage._share_fd_cpu_)
+    storage._new_using_fd_cpu = classmethod(failing(storage._new_using_fd_cpu))
+    if "SHM_FREE" in os.environ:
+        train_common.shm_space = lambda path=None: (64 * 2**20, int(os.environ["SHM_FREE"]))
+    train_common.train(get_args_parser().parse_args(sys.argv[1:]))
+""")
+SHM_READ_ONLY = ("unable to open shared memory object </torch_1_2_3> in read-write mode: "
+                 "Read-only file system (30)")
+
+
+def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path, tiny_data,
+                                                                        monkeypatch):
     """Docker's 64 MB /dev/shm fills: a worker cannot put its batch into shared memory. Built
     in private memory, the batch was moved there by the worker queue's feeder thread, which only
     printed the error: training waited for the batch forever (seen: 2 processes at 224 px,
     batch 32). Every tensor a worker shares fails here, as when /dev/shm is full."""
-    script = textwrap.dedent("""
-        import sys, torch
-        import train_common
-        from train_multi_gpu_using_launch import get_args_parser
-        from torch.utils.data import get_worker_info
-        def full(share):
-            def share_in_worker(*args, **kwargs):
-                if get_worker_info() is None:  # the dataset's counters, made before training
-                    return share(*args, **kwargs)
-                raise RuntimeError("unable to allocate shared memory(shm) for file "
-                                   "</torch_1_2_3>: No space left on device (28)")
-            return share_in_worker
-        storage = torch.UntypedStorage
-        storage._share_fd_cpu_ = full(storage._share_fd_cpu_)
-        storage._new_using_fd_cpu = classmethod(full(storage._new_using_fd_cpu))
-        train_common.shm_space = lambda path=None: (64 * 2**20, 0)
-        train_common.train(get_args_parser().parse_args(sys.argv[1:]))
-    """)
-    error, stderr = one_error_line(script, tiny_data, tmp_path / "out")
+    monkeypatch.setenv("SHM_FAILS", "in workers")
+    monkeypatch.setenv("SHM_FREE", "0")
+    monkeypatch.setenv("SHM_ERROR", "unable to allocate shared memory(shm) for file "
+                                    "</torch_1_2_3>: No space left on device (28)")
+    error, stderr = one_error_line(SHM_FAILING, tiny_data, tmp_path / "out")
     batch = 4 * 3 * 32 * 32  # TINY_FLAGS: batch 4 at 32 px, uint8
     how = f"1 process(es) x 1 worker(s) x 4 batch(es) of {batch // 1024} KiB"
     assert error.endswith(
@@ -823,6 +832,40 @@ def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path,
     # Said before training too, with the same count, once /dev/shm has less free than that.
     assert f"/dev/shm has 0 KiB free, but this machine's DataLoader workers may keep up to " \
            f"{4 * batch // 1024} KiB of batches there ({how})" in stderr
+
+
+SHM_UNUSABLE = ("error: DataLoader workers cannot use shared memory (/dev/shm: Read-only file "
+                "system), which they pass every batch through; make it a writable tmpfs (docker: "
+                "no read-only mount, --shm-size=1g or --ipc=host; Kubernetes: an emptyDir volume "
+                "with medium Memory at /dev/shm), or train with --workers 0 (slower: images are "
+                "then loaded by the training process).")
+
+
+def test_a_read_only_dev_shm_is_said_so_and_training_without_workers_needs_none(tmp_path,
+                                                                                tiny_data):
+    """A read-only (or absent) /dev/shm was called "out of shared memory" with all of it free
+    (or, as multiprocessing met it first, an OSError traceback), and --workers 0 did not help:
+    the dataset put its counters there even without workers. Now it is found before training."""
+    env = {"PYTHONPATH": str(ROOT), "SHM_FAILS": "everywhere", "SHM_ERROR": SHM_READ_ONLY}
+    result = run([sys.executable, "-c", SHM_FAILING, *flags(tiny_data, tmp_path / "w", workers=1)],
+                 timeout=120, **env)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].endswith(SHM_UNUSABLE) and "Traceback" not in result.stderr, errors
+    out = tmp_path / "no-workers"
+    result = run([sys.executable, "-c", SHM_FAILING, *flags(tiny_data, out, "--epochs", "1")],
+                 timeout=120, **env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0]
+
+
+def test_dev_shm_turning_read_only_during_training_is_not_called_full(tmp_path, tiny_data,
+                                                                       monkeypatch):
+    monkeypatch.setenv("SHM_FAILS", "in workers")
+    monkeypatch.setenv("SHM_ERROR", SHM_READ_ONLY)
+    error, _ = one_error_line(SHM_FAILING, tiny_data, tmp_path / "out")
+    assert error.endswith(f"{SHM_UNUSABLE} Run the same command again: it continues from the "
+                          "start."), error
 
 
 def test_a_worker_killed_by_sigbus_is_said_to_lack_shared_memory(tmp_path, tiny_data, train_here,
@@ -964,11 +1007,9 @@ def test_nccl_failing_mid_training_is_not_called_a_set_up_mistake(tmp_path, tiny
     assert "refused to set up" not in err and "Traceback" not in err
 
 
-def test_a_stop_signal_whose_interrupt_python_swallowed_still_stops_the_run(
-        tmp_path, tiny_data, train_here, monkeypatch):
-    """SIGTERM handled while a weakref callback ran: the KeyboardInterrupt our handler raised was
-    only printed ("Exception ignored in: WeakKeyDictionary ...") and training went on. The
-    handler had recorded the signal: the next --print-freq step stops the run."""
+def sigterm_recorded_in_epoch_1(monkeypatch) -> None:
+    """SIGTERM arrives in epoch 1 and only its record stays (as when Python swallowed the
+    interrupt our handler raised)."""
     import train_common
 
     real = train_common.train_one_epoch
@@ -978,11 +1019,36 @@ def test_a_stop_signal_whose_interrupt_python_swallowed_still_stops_the_run(
             monkeypatch.setattr(train_common, "_signal_received", "SIGTERM")  # as the handler
         return real(model, optimizer, loader, device, epoch, **kwargs)
     monkeypatch.setattr(train_common, "train_one_epoch", signalled_in_epoch_1)
+
+
+def test_a_stop_signal_whose_interrupt_python_swallowed_still_stops_the_run(
+        tmp_path, tiny_data, train_here, monkeypatch):
+    """SIGTERM handled while a weakref callback ran: the KeyboardInterrupt our handler raised was
+    only printed ("Exception ignored in: WeakKeyDictionary ...") and training went on. The
+    handler had recorded the signal: the next --print-freq step stops the run."""
+    sigterm_recorded_in_epoch_1(monkeypatch)
     out = tmp_path / "out"
     code, err = train_here(flags(tiny_data, out, "--epochs", "3"))
     assert code == 143, err[-3000:]
     assert "interrupted by SIGTERM" in err and "Traceback" not in err, err[-3000:]
     assert [m["epoch"] for m in read_metrics(out)] == [0]
+
+
+def test_a_stopped_resume_none_run_says_to_continue_with_resume_auto(tmp_path, tiny_data,
+                                                                      train_here, monkeypatch):
+    """Run again, a --resume none command starts over: the stop message said "run the same
+    command again to resume", which threw the saved epochs away."""
+    sigterm_recorded_in_epoch_1(monkeypatch)
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2", "--resume", "none"))
+    assert code == 143, err[-3000:]
+    assert (f"interrupted by SIGTERM; to continue from the last complete checkpoint in {out}, run "
+            "the same command with --resume auto in place of --resume none (which would start "
+            "over).") in err, err[-3000:]
+    monkeypatch.undo()
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2", "--resume", "auto"))
+    assert code == 0 and "resumed from" in err, err[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
 
 
 def test_ctrl_c_before_the_first_save_says_there_is_nothing_to_resume(tmp_path, tiny_data,
@@ -1090,7 +1156,7 @@ def test_full_disk_during_save_is_one_line_and_the_rerun_continues(epoch, tmp_pa
     monkeypatch.setattr(torch, "save", real_save)
     assert code == 2, err[-3000:]
     errors = [line for line in err.splitlines() if "error:" in line]
-    done = "the last complete checkpoint" if epoch else "the start"
+    done = f"the last complete checkpoint in {out}" if epoch else "the start"
     assert len(errors) == 1 and f"could not save epoch {epoch} in {out}: No space left on " \
         f"device; free space or fix the folder, then run the same command again: it continues " \
         f"from {done}." in errors[0], err[-3000:]
