@@ -136,8 +136,10 @@ def make_photos(folder: str | os.PathLike, count: int, *, width: int = 500, heig
 
 
 def default_image_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "ddp-template" / "bench_photos_v1"
+    from utils import user_cache_dir
+
+    return user_cache_dir("pass --image-dir a folder you can write") / "ddp-template" / \
+        "bench_photos_v1"
 
 
 # ---------------------------------------------------------------- 1. input pipeline
@@ -978,7 +980,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"command": command, "argv": sys.argv,
                               "config": {**vars(args), "procs": procs},
                               "versions": _versions(), "host": _host_info(device)}
-    image_dir = Path(args.image_dir) if args.image_dir else default_image_dir()
+    try:
+        image_dir = Path(args.image_dir) if args.image_dir else default_image_dir()
+    except ValueError as exc:  # utils.DataError: no home folder
+        sys.exit(f"error: {exc}")
     log.info("1/4 input pipeline: %d JPEGs in %s", args.pipeline_images, image_dir)
     paths = make_photos(image_dir, args.pipeline_images, seed=args.seed)
     report["pipeline"] = bench_pipeline(paths, args.pipeline_size, args.batch_size, args.repeats)

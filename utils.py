@@ -679,9 +679,23 @@ def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64
     return root
 
 
+def user_cache_dir(instead: str) -> Path:
+    """``$XDG_CACHE_HOME`` or ``~/.cache``. Where this user has no home folder (HOME unset and a
+    user id the user database does not know: some containers), a DataError that ends with
+    ``instead``, the flag that names another folder."""
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"])
+    try:
+        return Path.home() / ".cache"
+    except (RuntimeError, KeyError):  # KeyError: Python before 3.12 on some platforms
+        raise DataError("this user has no home folder to keep a cache in (HOME is not set, and "
+                        f"the user database has no entry for this user); {instead}.") from None
+
+
 def default_demo_root() -> Path:
     """Where the demo data is cached: ``$DDP_DEMO_DATA`` or the user's cache folder."""
     if os.environ.get("DDP_DEMO_DATA"):
         return Path(os.environ["DDP_DEMO_DATA"])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = user_cache_dir("pass --demo-dir (or set DDP_DEMO_DATA to) a folder you can write, or "
+                           "--data-path your own images")
     return cache / "ddp-template" / "demo_flowers_v1"

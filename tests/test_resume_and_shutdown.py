@@ -2299,6 +2299,30 @@ def test_a_demo_dataset_that_cannot_be_written_is_one_line(tmp_path, train_here)
         "--data-path your own images."), errors[0]
 
 
+def test_a_demo_run_without_a_home_folder_is_one_line(tmp_path, train_here, monkeypatch):
+    """A container started with a user id the image does not know, and no HOME: Path.home()
+    raised "RuntimeError: Could not determine home directory" (a traceback). (Path.home is
+    stubbed: this suite may run as a user the database knows.)"""
+    import benchmark
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    for name in ("HOME", "XDG_CACHE_HOME", "DDP_DEMO_DATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    code, err = train_here([*TINY_FLAGS, "--output-dir", str(tmp_path / "out")])
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert errors[0].endswith(
+        "error: this user has no home folder to keep a cache in (HOME is not set, and the user "
+        "database has no entry for this user); pass --demo-dir (or set DDP_DEMO_DATA to) a "
+        "folder you can write, or --data-path your own images."), errors[0]
+    with pytest.raises(ValueError, match=r"home folder .*; pass --image-dir a folder you can "
+                                         r"write\.$"):
+        benchmark.default_image_dir()
+
+
 @pytest.mark.parametrize("where", ["folder", "run-files", "args"])
 def test_an_unwritable_output_dir_is_one_line(where, tmp_path, tiny_data, train_here,
                                               monkeypatch):
