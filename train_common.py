@@ -44,7 +44,8 @@ from multi_train_utils.checkpoint import (CheckpointError, capture_rng_state, ex
                                           write_atomic)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
                                                  LaunchError, all_gather_object, all_ranks_ok,
-                                                 broadcast_object, cleanup, cpus_per_process,
+                                                 broadcast_object, cgroup_limit_hits, cleanup,
+                                                 cpus_per_process,
                                                  init_distributed_mode, nccl_setup_error,
                                                  peer_failure, processes_on_node,
                                                  register_comm_hook)
@@ -421,8 +422,9 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
     saved_unraisablehook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_drop_swallowed_interrupt, saved_unraisablehook)
-    global _signal_received, _waiting_for, _set_up
+    global _signal_received, _waiting_for, _set_up, _limit_hits
     _signal_received = _waiting_for = None
+    _limit_hits = cgroup_limit_hits()  # to tell, if a loader worker dies, which limit it met
     _set_up = False
     info = None
     try:
@@ -460,10 +462,14 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             _quiet_second_signal()
             _expect_worker_deaths()
             # torch names the signal only when its SIGCHLD handler saw the death first.
-            log.error("error: %s - most often the out-of-memory killer (see dmesg): lower "
-                      "--workers or --batch-size, or give the job more memory (a crash in native "
-                      "code shows its own error with --workers 0). %s", worker.group(0),
+            log.error("error: %s - %s. %s", worker.group(0), _worker_death_cause(),
                       _rerun_sentence(args))
+            sys.exit(1)
+        if _NO_THREAD in str(exc):  # raised here, or in a worker and raised again here
+            _quiet_second_signal()
+            _expect_worker_deaths()
+            log.error("error: could not start a thread (%s): %s. %s", _NO_THREAD,
+                      _PROCESS_LIMIT, _rerun_sentence(args))
             sys.exit(1)
         nccl_refused = nccl_setup_error(exc)
         if nccl_refused and not _set_up:
@@ -494,6 +500,19 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
                   "them died or hung - its own output says why. %s", reason,
                   _rerun_sentence(args))
         sys.exit(1)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EMFILE, errno.ENFILE):
+            raise
+        _quiet_second_signal()
+        _expect_worker_deaths()
+        if exc.errno == errno.EAGAIN:  # fork(): a loader starting its workers
+            log.error("error: could not start a process (%s): %s. %s", exc.strerror,
+                      _PROCESS_LIMIT, _rerun_sentence(args))
+        else:
+            log.error("error: too many open files (this process may open %s: ulimit -n); "
+                      "raise the limit (ulimit -n 65536; docker run --ulimit nofile=65536) or "
+                      "lower --workers. %s", _open_file_limit(), _rerun_sentence(args))
+        sys.exit(1)
     finally:
         _quiet_second_signal()
         cleanup()
@@ -502,6 +521,35 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
         for signum, handler in saved_handlers.items():  # train() may be called again
             signal.signal(signum, handler)
         sys.unraisablehook = saved_unraisablehook
+
+
+_limit_hits: dict[str, int] = {}  # cgroup_limit_hits() when train() began
+_NO_THREAD = "can't start new thread"  # Python's words when the thread limit is reached
+_PROCESS_LIMIT = ("this machine's limit on processes and threads was reached (a container's pids "
+                  "limit: docker run --pids-limit, Kubernetes' pod pids limit; or ulimit -u): "
+                  "lower --workers (each DataLoader worker is a process with threads of its own) "
+                  "or raise the limit")
+
+
+def _worker_death_cause() -> str:
+    """Why a DataLoader worker most likely died, from the cgroup's counters where they say."""
+    hits = cgroup_limit_hits()
+    if hits["pids"] > _limit_hits.get("pids", hits["pids"]):
+        return _PROCESS_LIMIT  # it could not start a thread it needs: it exits with code 1
+    if hits["oom_kill"] > _limit_hits.get("oom_kill", hits["oom_kill"]):
+        return ("the out-of-memory killer stopped a process at this container's memory limit: "
+                "lower --workers or --batch-size, or give the job more memory")
+    return ("most often the out-of-memory killer (see dmesg): lower --workers or --batch-size, "
+            "or give the job more memory (a crash in native code shows its own error with "
+            "--workers 0)")
+
+
+def _open_file_limit() -> str:
+    try:
+        import resource
+        return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    except (ImportError, OSError, ValueError):
+        return "a limited number"
 
 
 def _launched_local_rank() -> int:

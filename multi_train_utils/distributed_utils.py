@@ -497,29 +497,60 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup
     container the cgroup folder may be mounted as the root while ``own`` names the host's path:
     then the root's is read.
     """
+    limits = [limit for folder in cgroup_folders("cpu", root, own)
+              if (limit := _read_cpu_max(folder) or _read_cfs(folder))]
+    return min(limits) if limits else None
+
+
+def cgroup_folders(controller: str, root: str = "/sys/fs/cgroup",
+                   own: str = "/proc/self/cgroup") -> list[str]:
+    """The folders of this process's cgroup that may hold ``controller``'s files, then those of
+    its ancestors up to the tree's root (cgroup v2's one tree, or v1's tree of ``controller``);
+    some may not exist. Empty off Linux."""
     try:
         with open(own, encoding="utf-8") as f:
             entries = [line.split(":", 2) for line in f.read().splitlines() if line.count(":") >= 2]
     except OSError:
-        return None
-    limits = []
+        return []
+    folders: dict[str, None] = {}
     for _, controllers, path in entries:
         if not controllers:  # cgroup v2: one tree
-            bases, read = [root], _read_cpu_max
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's tree ("cpu,cpuacct")
-            bases, read = [os.path.join(root, controllers), os.path.join(root, "cpu")], _read_cfs
+            bases = [root]
+        elif controller in controllers.split(","):  # v1: the controller's tree ("cpu,cpuacct")
+            bases = [os.path.join(root, controllers), os.path.join(root, controller)]
         else:
             continue
         for base in dict.fromkeys(bases):
             folder = os.path.normpath(os.path.join(base, path.lstrip("/")))
             while True:  # the cgroup, then each ancestor up to the tree's root
-                limit = read(folder)  # None where the folder is not there or has no limit
-                if limit:
-                    limits.append(limit)
+                folders[folder] = None
                 if len(folder) <= len(base):
                     break
                 folder = os.path.dirname(folder)
-    return min(limits) if limits else None
+    return list(folders)
+
+
+def cgroup_limit_hits(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup"
+                      ) -> dict[str, int]:
+    """How often, so far, this process's cgroup and its ancestors refused a new process or
+    thread at their limit (``pids``: ``docker run --pids-limit``, Kubernetes' pod pids limit)
+    and how many processes the out-of-memory killer stopped in them (``oom_kill``: a memory
+    limit). Counters only: compare two readings to tell why a process died in between."""
+    def count(folder: str, name: str, key: str) -> int:  # "max 3" in pids.events
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) == 2 and fields[0] == key:
+                        return int(fields[1])
+        except (OSError, ValueError):
+            pass
+        return 0
+    return {"pids": sum(count(folder, "pids.events", "max")
+                        for folder in cgroup_folders("pids", root, own)),
+            "oom_kill": sum(count(folder, "memory.events", "oom_kill") or
+                            count(folder, "memory.oom_control", "oom_kill")
+                            for folder in cgroup_folders("memory", root, own))}
 
 
 def _read_cpu_max(folder: str) -> float | None:

@@ -324,6 +324,26 @@ def test_cgroup_cpu_limit_reads_the_quota_of_the_cgroup_and_its_ancestors(own, f
     assert distributed_utils.cgroup_cpu_limit(str(tmp_path / "fs"), str(tmp_path / "own")) == want
 
 
+@pytest.mark.parametrize("own, files, want", [
+    # cgroup v2: the pod's pids limit was hit twice, the container's memory limit killed one
+    ("0::/kubepods/pod1/ctr\n", {"kubepods/pod1/pids.events": "max 2\n",
+                                 "kubepods/pod1/ctr/pids.events": "max 0\n",
+                                 "kubepods/pod1/ctr/memory.events": "low 0\nhigh 0\nmax 5\noom 1\n"
+                                                                   "oom_kill 1\n"},
+     {"pids": 2, "oom_kill": 1}),
+    # cgroup v1: each controller has its tree; the OOM count is in memory.oom_control
+    ("8:pids:/docker/abc\n4:memory:/docker/abc\n",
+     {"pids/docker/abc/pids.events": "max 7\n",
+      "memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"},
+     {"pids": 7, "oom_kill": 3}),
+    ("0::/\n", {}, {"pids": 0, "oom_kill": 0}),  # no limits, or off Linux
+])
+def test_cgroup_limit_hits_counts_refused_processes_and_oom_kills(own, files, want, tmp_path):
+    _cgroup_files(tmp_path / "fs", files)
+    (tmp_path / "own").write_text(own)
+    assert distributed_utils.cgroup_limit_hits(str(tmp_path / "fs"), str(tmp_path / "own")) == want
+
+
 def test_cgroup_cpu_limit_is_none_off_linux(tmp_path):
     assert distributed_utils.cgroup_cpu_limit(str(tmp_path), str(tmp_path / "no-such-file")) is None
 

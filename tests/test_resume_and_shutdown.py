@@ -868,6 +868,59 @@ def test_dev_shm_turning_read_only_during_training_is_not_called_full(tmp_path, 
                           "start."), error
 
 
+PROCESS_LIMIT = ("this machine's limit on processes and threads was reached (a container's pids "
+                 "limit: docker run --pids-limit, Kubernetes' pod pids limit; or ulimit -u): lower "
+                 "--workers (each DataLoader worker is a process with threads of its own) or raise "
+                 "the limit. Run the same command again: it continues from the start.")
+WORKER_EXITED = ("DataLoader worker (pid 4242) exited unexpectedly with exit code 1. Details are "
+                 "lost due to multiprocessing. Rerunning with num_workers=0 may give better error "
+                 "trace.")
+
+
+@pytest.mark.parametrize("raised, hit, want", [
+    # A worker that cannot start a thread it needs exits with code 1: the pids counter says why.
+    (RuntimeError(WORKER_EXITED), "pids", "error: DataLoader worker (pid 4242) exited "
+     "unexpectedly with exit code 1 - " + PROCESS_LIMIT),
+    (RuntimeError(WORKER_EXITED), "oom_kill", "error: DataLoader worker (pid 4242) exited "
+     "unexpectedly with exit code 1 - the out-of-memory killer stopped a process at this "
+     "container's memory limit: lower --workers or --batch-size, or give the job more memory. "
+     "Run the same command again: it continues from the start."),
+    (RuntimeError(WORKER_EXITED), None, "error: DataLoader worker (pid 4242) exited unexpectedly "
+     "with exit code 1 - most often the out-of-memory killer (see dmesg)"),
+    (RuntimeError("can't start new thread"), "pids",
+     "error: could not start a thread (can't start new thread): " + PROCESS_LIMIT),
+    (BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"), "pids",
+     "error: could not start a process (Resource temporarily unavailable): " + PROCESS_LIMIT),
+    (OSError(errno.EMFILE, "Too many open files"), None, "error: too many open files (this "
+     "process may open {nofile}: ulimit -n); raise the limit (ulimit -n 65536; docker run "
+     "--ulimit nofile=65536) or lower --workers. Run the same command again: it continues from "
+     "the start."),
+])
+def test_a_process_or_file_limit_met_by_the_loaders_is_one_line_with_its_cause(
+        raised, hit, want, tmp_path, tiny_data, train_here, monkeypatch):
+    """A container's pids limit (or ulimit -u/-n) met as the loaders start their workers: a
+    traceback, or a worker that "exited unexpectedly" blamed on the out-of-memory killer."""
+    import resource
+
+    import train_common
+
+    hits = {"pids": 3, "oom_kill": 1}
+
+    def run(args, info):
+        if hit:
+            hits[hit] += 1  # the cgroup counted the refusal (or the kill)
+        raise raised
+    monkeypatch.setattr(train_common, "cgroup_limit_hits", lambda: dict(hits))
+    monkeypatch.setattr(train_common, "_run", run)
+    code, err = train_here(flags(tiny_data, tmp_path / "out", workers=2))
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    want = want.format(nofile=resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    assert want in errors[0], errors[0]
+    assert hit == "oom_kill" or "out-of-memory killer stopped a process" not in err
+
+
 def test_a_worker_killed_by_sigbus_is_said_to_lack_shared_memory(tmp_path, tiny_data, train_here,
                                                                  monkeypatch):
     """torch's words when /dev/shm runs out as a worker writes its batch (SIGBUS): the fix is
