@@ -486,6 +486,8 @@ def _setting(flag: str, given: Any, recorded: Any, source: Path | str) -> Any:
 
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    if hasattr(sys.stdout, "reconfigure"):  # an ASCII locale (LC_ALL=C): escape, as stderr does
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         device = resolve_device(args.device)
         state_dict, train_args, checkpoint_classes = load_checkpoint_with_classes(args.weights)

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import stat
+import sys
 import tempfile
 import unicodedata
 import warnings
@@ -165,6 +166,18 @@ def _is_utf8(name: str) -> bool:
     return True
 
 
+def _not_utf8(name: str) -> str:
+    """Why :func:`_is_utf8` refused ``name``, and the fix: its bytes are not UTF-8 (rename it),
+    or they are but this Python decodes file names otherwise (a C or POSIX locale with
+    PYTHONUTF8=0: every non-ASCII name fails)."""
+    try:
+        os.fsencode(name).decode("utf-8")
+    except UnicodeDecodeError:
+        return "is not valid UTF-8; rename it"
+    return (f"is UTF-8, but this Python reads file names as {sys.getfilesystemencoding()}; run "
+            "it with PYTHONUTF8=1 (or in a UTF-8 locale, LC_ALL=C.UTF-8)")
+
+
 def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                       min_classes: int = 2) -> FolderScan:
     """Find ``root/<class>/**/<image>``; classes are the sorted sub-folder names.
@@ -204,9 +217,9 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                            else ""))
     for name in class_names:
         if not _is_utf8(name):
-            raise DataError(f"class folder {printable_path(name)} in {root} has a name that is "
-                            "not valid UTF-8; rename it (class names are written to "
-                            "class_indices.json and checkpoints).")
+            raise DataError(f"class folder {printable_path(name)} in {printable_path(root)}: its name "
+                            f"{_not_utf8(name)} (class names are written to class_indices.json "
+                            "and checkpoints).")
     _check_class_names(root, class_names)
     # Images next to the class folders belong to no class: listed, not silently left out.
     skipped: list[tuple[str, str]] = [
@@ -226,7 +239,7 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                 skipped.append((path, "hidden file"))
             elif not _is_utf8(os.path.relpath(path, class_dir)):
                 what = "file" if not _is_utf8(base) else "folder"
-                skipped.append((path, f"{what} name is not valid UTF-8; rename it"))
+                skipped.append((path, f"{what} name {_not_utf8(path)}"))
             elif not base.lower().endswith(IMG_EXTENSIONS):
                 skipped.append((path, "not an image extension"))
             elif (found := _real_file(path, real_dir))[0] is None:

@@ -24,7 +24,7 @@ from PIL import Image, ImageFile, ImageOps
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
-from conftest import TINY_FLAGS, run, torchrun_cmd
+from conftest import ROOT, TINY_FLAGS, run, torchrun_cmd
 from model import get_model
 from multi_train_utils.checkpoint import CheckpointError
 from multi_train_utils.distributed_utils import DistInfo
@@ -292,6 +292,22 @@ def test_non_utf8_class_folder_is_a_data_error_naming_it(tmp_path):
     assert "not valid UTF-8; rename it" in message
     message.encode("utf-8")  # printable, so the one "error:" line can be shown and logged
     assert not (tmp_path / "class_indices.json").exists()
+
+
+def test_utf8_names_read_by_a_python_that_is_not_in_utf8_mode_say_how_to_run_it(tmp_path):
+    """LC_ALL=C with PYTHONUTF8=0: Python decodes file names as ASCII, so a valid UTF-8 class
+    folder was called "not valid UTF-8; rename it"."""
+    root = two_class_data(tmp_path / "data", 2)
+    make_class(root / "Löwenzahn", 2, 3)
+    code = ("import sys; from utils import scan_image_folder, DataError\n"
+            "try: scan_image_folder(sys.argv[1])\n"
+            "except DataError as exc: print(exc, file=sys.stderr)")  # escaped there, as in logs
+    result = run([sys.executable, "-c", code, str(root)], timeout=60,
+                 LC_ALL="C", PYTHONUTF8="0", PYTHONPATH=str(ROOT))
+    assert result.stderr.strip() == (
+        f"class folder L\\xf6wenzahn in {root}: its name is UTF-8, but this Python reads file "
+        "names as ascii; run it with PYTHONUTF8=1 (or in a UTF-8 locale, LC_ALL=C.UTF-8) (class "
+        "names are written to class_indices.json and checkpoints)."), result.stderr[-2000:]
 
 
 def test_write_json_atomic_cleans_up_and_uses_normal_permissions(tmp_path):

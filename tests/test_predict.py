@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -77,13 +78,14 @@ def _expected_probs(model: torch.nn.Module, path: Path, img_size: int = IMG_SIZE
         return model(x.unsqueeze(0)).softmax(dim=1)[0]
 
 
-def _run_cli(*args: str | Path) -> subprocess.CompletedProcess:
+def _run_cli(*args: str | Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "predict.py"), *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **env},
     )
 
 
@@ -137,6 +139,17 @@ def test_each_image_is_one_line_of_tab_separated_fields_whatever_its_name() -> N
     line = predict.format_prediction(pred)
     assert line == "/data/a\\tb\\nc\\xff.jpg\tsun\\tflowers: 0.750\troses: 0.250"
     line.encode("utf-8")  # printable anywhere
+
+
+def test_a_non_ascii_name_in_an_ascii_locale_is_printed_escaped(run: dict, tmp_path: Path) -> None:
+    """LC_ALL=C with PYTHONUTF8=0 makes stdout ASCII: printing "rosé.jpg" raised
+    UnicodeEncodeError after the first predictions."""
+    image = tmp_path / "rosé.jpg"
+    shutil.copy(run["images"][0], image)
+    result = _run_cli("--weights", run["dir"] / "checkpoint.pth", image,
+                      LC_ALL="C", PYTHONUTF8="0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{tmp_path}/ros\\xe9.jpg\t"), result.stdout
 
 
 def test_cli_reports_bad_image_and_still_predicts_the_rest(run: dict) -> None:
