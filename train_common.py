@@ -247,6 +247,7 @@ def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     fmt = "%(asctime)s %(message)s" if rank == 0 else f"%(asctime)s [rank {rank}] %(message)s"
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True, stream=sys.stderr)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its INFO lines would pass as ours
 
 
 # Signals that arrived while a checkpoint was being written (None: not writing one).
@@ -496,9 +497,9 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             log.error("error: lost contact with the other processes of the run %s (%s).",
                       _waiting_for, reason)
             sys.exit(1)
-        log.error("error: lost contact with the other processes of the run (%s); usually one of "
-                  "them died or hung - its own output says why. %s", reason,
-                  _rerun_sentence(args))
+        log.error("error: lost contact with the other processes of the run (%s); %s. %s", reason,
+                  _OOM_KILLED if _oom_killed() else "usually one of them died or hung - its own "
+                  "output says why", _rerun_sentence(args))
         sys.exit(1)
     except OSError as exc:
         if exc.errno not in (errno.EAGAIN, errno.EMFILE, errno.ENFILE):
@@ -531,12 +532,23 @@ _PROCESS_LIMIT = ("this machine's limit on processes and threads was reached (a 
                   "or raise the limit")
 
 
+_OOM_KILLED = ("meanwhile the out-of-memory killer stopped a process at this container's memory "
+               "limit, most often why: lower --workers or --batch-size, or give the job more "
+               "memory")
+
+
+def _oom_killed() -> bool:
+    """Whether the out-of-memory killer stopped a process of this cgroup since train() began."""
+    killed = cgroup_limit_hits()["oom_kill"]
+    return killed > _limit_hits.get("oom_kill", killed)
+
+
 def _worker_death_cause() -> str:
     """Why a DataLoader worker most likely died, from the cgroup's counters where they say."""
-    hits = cgroup_limit_hits()
-    if hits["pids"] > _limit_hits.get("pids", hits["pids"]):
+    refused = cgroup_limit_hits()["pids"]
+    if refused > _limit_hits.get("pids", refused):
         return _PROCESS_LIMIT  # it could not start a thread it needs: it exits with code 1
-    if hits["oom_kill"] > _limit_hits.get("oom_kill", hits["oom_kill"]):
+    if _oom_killed():
         return ("the out-of-memory killer stopped a process at this container's memory limit: "
                 "lower --workers or --batch-size, or give the job more memory")
     return ("most often the out-of-memory killer (see dmesg): lower --workers or --batch-size, "
@@ -646,6 +658,9 @@ def _rerun_sentence(args: argparse.Namespace) -> str:
 def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | None) -> NoReturn:
     _quiet_second_signal()
     _expect_worker_deaths()
+    if signame == "SIGTERM" and _oom_killed():
+        # torchrun stops the others when a rank dies: the kill is the news, not the signal.
+        signame += f" ({_OOM_KILLED})"
     if (info is None or info.is_main) and args.eval_only:
         log.error("interrupted by %s.", signame)
     elif info is None or info.is_main:
@@ -655,7 +670,7 @@ def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | N
         else:
             log.error("interrupted by %s before the first epoch was saved; run the same "
                       "command again to start.%s", signame, _previous_run_hint(out))
-    sys.exit(143 if signame == "SIGTERM" else 130)
+    sys.exit(143 if signame.startswith("SIGTERM") else 130)
 
 
 def _quiet_second_signal() -> None:

@@ -921,6 +921,39 @@ def test_a_process_or_file_limit_met_by_the_loaders_is_one_line_with_its_cause(
     assert hit == "oom_kill" or "out-of-memory killer stopped a process" not in err
 
 
+OOM_KILLED = ("meanwhile the out-of-memory killer stopped a process at this container's memory "
+              "limit, most often why: lower --workers or --batch-size, or give the job more memory")
+
+
+@pytest.mark.parametrize("raised, code, want", [
+    # torchrun stops the others with SIGTERM; rank 0 said only "interrupted by SIGTERM"
+    (KeyboardInterrupt("SIGTERM"), 143, f"interrupted by SIGTERM ({OOM_KILLED}) before the "
+                                        "first epoch was saved"),
+    # or gloo sees the peer's socket close first (measured: a 1400M memory cgroup, 2 ranks)
+    (RuntimeError("Read error [127.0.0.1]:28566: Connection reset by peer"), 1,
+     "error: lost contact with the other processes of the run (Read error [127.0.0.1]:28566: "
+     f"Connection reset by peer); {OOM_KILLED}. Run the same command again"),
+])
+def test_a_rank_killed_for_memory_is_named_by_the_ranks_it_leaves(raised, code, want, tmp_path,
+                                                                  tiny_data, train_here,
+                                                                  monkeypatch):
+    import train_common
+    from multi_train_utils.distributed_utils import DistInfo
+
+    hits = {"pids": 0, "oom_kill": 2}
+    # Rank 0 of 2, as the group left it (the process group itself is not needed here).
+    monkeypatch.setattr(train_common, "init_distributed_mode",
+                        lambda **kwargs: DistInfo(world_size=2, backend="gloo"))
+
+    def run(args, info):
+        hits["oom_kill"] += 1  # another rank of this container was killed
+        raise raised
+    monkeypatch.setattr(train_common, "cgroup_limit_hits", lambda: dict(hits))
+    monkeypatch.setattr(train_common, "_run", run)
+    got, err = train_here(flags(tiny_data, tmp_path / "out"))
+    assert got == code and want in err, err[-3000:]
+
+
 def test_a_worker_killed_by_sigbus_is_said_to_lack_shared_memory(tmp_path, tiny_data, train_here,
                                                                  monkeypatch):
     """torch's words when /dev/shm runs out as a worker writes its batch (SIGBUS): the fix is
