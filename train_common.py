@@ -466,6 +466,17 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             log.error("error: %s - %s. %s", worker.group(0), _worker_death_cause(),
                       _rerun_sentence(args))
             sys.exit(1)
+        if _LOADER_TIMED_OUT.search(str(exc)):
+            _quiet_second_signal()
+            _expect_worker_deaths()
+            for worker_process in multiprocessing.active_children():  # stuck: joined in vain
+                worker_process.terminate()
+            log.error("error: the DataLoader workers sent no batch in %d s: one was lost (its "
+                      "worker's own error is above: often a process, thread or open-file limit, "
+                      "or shared memory, met while sending it), or reading one batch takes that "
+                      "long (a hung network file system). %s", LOADER_TIMEOUT_S,
+                      _rerun_sentence(args))
+            sys.exit(1)
         if _NO_THREAD in str(exc):  # raised here, or in a worker and raised again here
             _quiet_second_signal()
             _expect_worker_deaths()
@@ -525,6 +536,7 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
 
 
 _limit_hits: dict[str, int] = {}  # cgroup_limit_hits() when train() began
+_LOADER_TIMED_OUT = re.compile(r"DataLoader timed out after \d+ seconds")
 _NO_THREAD = "can't start new thread"  # Python's words when the thread limit is reached
 _PROCESS_LIMIT = ("this machine's limit on processes and threads was reached (a container's pids "
                   "limit: docker run --pids-limit, Kubernetes' pod pids limit; or ulimit -u): "
@@ -716,6 +728,10 @@ def _scan_on_rank0(root: str, verify: bool, info: DistInfo, min_classes: int) ->
 
 
 PREFETCH_FACTOR = 4  # batches each DataLoader worker keeps in flight
+# No batch from the workers for this long: one was lost, not slow. A worker's queue sends each
+# batch from a thread that only prints its errors (a thread or file limit met while passing the
+# batch's shared memory): the loader would wait forever, and under NCCL the other ranks too.
+LOADER_TIMEOUT_S = 600
 SHM_DIR = "/dev/shm"  # where DataLoader workers hand their batches over (POSIX shared memory)
 
 
@@ -727,8 +743,9 @@ def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
     """
     kwargs: dict[str, Any] = dict(num_workers=workers, collate_fn=MyDataSet.collate_fn,
                                   pin_memory=device.type == "cuda")
-    if workers > 0:  # both are refused by DataLoader without workers
-        kwargs.update(persistent_workers=True, prefetch_factor=PREFETCH_FACTOR)
+    if workers > 0:  # refused by DataLoader without workers
+        kwargs.update(persistent_workers=True, prefetch_factor=PREFETCH_FACTOR,
+                      timeout=LOADER_TIMEOUT_S)
     return kwargs
 
 

@@ -834,6 +834,33 @@ def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path,
            f"{4 * batch // 1024} KiB of batches there ({how})" in stderr
 
 
+def test_a_batch_the_workers_never_send_stops_the_run_instead_of_hanging(tmp_path, tiny_data):
+    """A worker's queue sends each batch from a thread that only prints its errors (at a pids
+    limit of 24: "can't start new thread" while passing the batch's shared memory), and the
+    loader waited forever. A worker stuck on one batch stands in for the lost one."""
+    script = textwrap.dedent("""
+        import sys, time
+        import train_common
+        from my_dataset import MyDataSet
+        from train_multi_gpu_using_launch import get_args_parser
+        from torch.utils.data import get_worker_info
+        train_common.LOADER_TIMEOUT_S = 2
+        real = MyDataSet.__getitem__
+        def stuck(self, item):
+            if get_worker_info() is not None:
+                time.sleep(3600)
+            return real(self, item)
+        MyDataSet.__getitem__ = stuck
+        train_common.train(get_args_parser().parse_args(sys.argv[1:]))
+    """)
+    error, _ = one_error_line(script, tiny_data, tmp_path / "out")
+    assert error.endswith(
+        "error: the DataLoader workers sent no batch in 2 s: one was lost (its worker's own error "
+        "is above: often a process, thread or open-file limit, or shared memory, met while "
+        "sending it), or reading one batch takes that long (a hung network file system). Run the "
+        "same command again: it continues from the start."), error
+
+
 SHM_UNUSABLE = ("error: DataLoader workers cannot use shared memory (/dev/shm: Read-only file "
                 "system), which they pass every batch through; make it a writable tmpfs (docker: "
                 "no read-only mount, --shm-size=1g or --ipc=host; Kubernetes: an emptyDir volume "
