@@ -29,6 +29,7 @@ import threading
 import time
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import resource_sharer
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -745,8 +746,30 @@ def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
                                   pin_memory=device.type == "cuda")
     if workers > 0:  # refused by DataLoader without workers
         kwargs.update(persistent_workers=True, prefetch_factor=PREFETCH_FACTOR,
-                      timeout=LOADER_TIMEOUT_S)
+                      timeout=LOADER_TIMEOUT_S, worker_init_fn=_start_fd_sharing)
     return kwargs
+
+
+def _start_fd_sharing(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: start the thread that passes each batch's shared memory to
+    the training process (multiprocessing's resource sharer) now, where a refusal is raised.
+
+    Started at the first batch, from the worker queue's feeder thread, a refusal (a process or
+    thread limit: "can't start new thread") was only printed, and left the sharer with an
+    address but no thread to answer it: the training process waited forever, inside the
+    queue's get (so past the loader's timeout), for the memory of the next batch.
+    """
+    sharer = getattr(resource_sharer, "_resource_sharer", None)
+    if sharer is None or getattr(sharer, "_address", "") is not None:
+        return  # another Python, or already started
+    with sharer._lock:
+        if sharer._address is None:
+            try:
+                sharer._start()
+            except RuntimeError:
+                sharer._listener.close()  # whole again: no address that nobody answers
+                sharer._listener = sharer._address = None
+                raise
 
 
 def shm_use(batch_size: int, img_size: int, workers: int, device: torch.device) -> tuple[int, str]:

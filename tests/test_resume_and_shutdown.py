@@ -861,6 +861,30 @@ def test_a_batch_the_workers_never_send_stops_the_run_instead_of_hanging(tmp_pat
         "same command again: it continues from the start."), error
 
 
+def test_a_worker_that_cannot_start_its_fd_sharing_thread_stops_the_run(tmp_path, tiny_data):
+    """At a pids limit of 24 the worker's resource sharer (which passes each batch's shared
+    memory) got an address but no thread: the training process connected and waited for an
+    answer forever, inside the queue's get, where the loader's timeout does not reach."""
+    script = textwrap.dedent("""
+        import sys, threading
+        import train_common
+        from multiprocessing import resource_sharer
+        from train_multi_gpu_using_launch import get_args_parser
+        from torch.utils.data import get_worker_info
+        real = threading.Thread.start
+        def start(self):
+            if get_worker_info() is not None and getattr(self, "_target", None) is not None \\
+                    and getattr(self._target, "__func__", None) is resource_sharer._ResourceSharer._serve:
+                raise RuntimeError("can't start new thread")  # the process limit, there only
+            return real(self)
+        threading.Thread.start = start
+        train_common.train(get_args_parser().parse_args(sys.argv[1:]))
+    """)
+    error, _ = one_error_line(script, tiny_data, tmp_path / "out")
+    assert error.endswith("error: could not start a thread (can't start new thread): " +
+                          PROCESS_LIMIT), error
+
+
 SHM_UNUSABLE = ("error: DataLoader workers cannot use shared memory (/dev/shm: Read-only file "
                 "system), which they pass every batch through; make it a writable tmpfs (docker: "
                 "no read-only mount, --shm-size=1g or --ipc=host; Kubernetes: an emptyDir volume "
