@@ -941,7 +941,7 @@ def _process_counts(max_procs: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    from utils import write_json_atomic
+    from utils import DataError, write_json_atomic
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     command = "python " + shlex.join([os.path.basename(sys.argv[0]) or "benchmark.py",
@@ -982,7 +982,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                               "versions": _versions(), "host": _host_info(device)}
     try:
         image_dir = Path(args.image_dir) if args.image_dir else default_image_dir()
-    except ValueError as exc:  # utils.DataError: no home folder
+    except DataError as exc:  # no home folder
         sys.exit(f"error: {exc}")
     log.info("1/4 input pipeline: %d JPEGs in %s", args.pipeline_images, image_dir)
     paths = make_photos(image_dir, args.pipeline_images, seed=args.seed)

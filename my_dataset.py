@@ -16,6 +16,7 @@ it comes back as a black image with label ``-100``, which ``nn.CrossEntropyLoss`
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -53,7 +54,11 @@ def printable_path(path: str | os.PathLike) -> str:
     disk (which Python keeps as lone surrogates) are shown as ``\\xff`` escapes, and a tab or
     line break in a name as ``\\t``/``\\n``/``\\r``, so tab-separated listings stay parseable.
     Other paths are unchanged."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace").translate(_LINE_BREAKERS)
+    # Not os.fsencode: a class name from a checkpoint is text, which an ASCII file-system
+    # encoding (LC_ALL=C with PYTHONUTF8=0) cannot encode.
+    raw = os.fspath(path)
+    data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
+    return data.decode("utf-8", "backslashreplace").translate(_LINE_BREAKERS)
 
 
 def load_pil_image(path: str) -> Image.Image:
@@ -119,6 +124,11 @@ def _lock(f: Any) -> None:
         pass
 
 
+def _machine_error(exc: BaseException) -> bool:
+    """An error of this machine, not of the file being read: out of file descriptors."""
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
+
+
 def check_image(path: str) -> str | None:
     """Why ``path`` is not a usable image (one short phrase), or None if it looks fine.
 
@@ -154,6 +164,8 @@ def check_image(path: str) -> str | None:
         return (f"image too large (over {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, PIL's "
                 "decompression-bomb limit); downscale it")
     except (OSError, ValueError, SyntaxError) as exc:
+        if _machine_error(exc):
+            raise
         return f"not a readable image ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
 
 
@@ -252,6 +264,8 @@ class MyDataSet(Dataset):
         try:
             img = self._load(path)
         except Exception as exc:  # any decoder failure: skip the sample, never kill the worker
+            if _machine_error(exc):
+                raise  # not the file's fault: skipped, a good image would train as a placeholder
             if not self._reported[item]:
                 self._reported[item] = True
                 self._report(path, exc)

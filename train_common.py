@@ -248,7 +248,7 @@ def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     fmt = "%(asctime)s %(message)s" if rank == 0 else f"%(asctime)s [rank {rank}] %(message)s"
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True, stream=sys.stderr)
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its INFO lines would pass as ours
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)  # its lines would pass as ours
 
 
 # Signals that arrived while a checkpoint was being written (None: not writing one).
@@ -338,9 +338,9 @@ def _signals_held() -> Iterator[None]:
         held, _held_signals = _held_signals, None
         if _signal_received is None and sigchld is not None:  # a stop keeps workers' deaths quiet
             signal.signal(signal.SIGCHLD, sigchld)
-    if held:
-        log.warning("%s arrived while the checkpoint was written; it is complete, now stopping.",
-                    signal.Signals(held[0]).name)
+    if held:  # INFO: only rank 0, which wrote it, says so
+        log.info("%s arrived while the checkpoint was written; it is complete, now stopping.",
+                 signal.Signals(held[0]).name)
         raise KeyboardInterrupt(signal.Signals(held[0]).name)
 
 
@@ -424,9 +424,10 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
     saved_unraisablehook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_drop_swallowed_interrupt, saved_unraisablehook)
-    global _signal_received, _waiting_for, _set_up, _limit_hits
+    global _signal_received, _waiting_for, _set_up, _limit_hits, _started_at
     _signal_received = _waiting_for = None
     _limit_hits = cgroup_limit_hits()  # to tell, if a loader worker dies, which limit it met
+    _started_at = time.time()  # a checkpoint.pth older than this is an earlier run's
     _set_up = False
     info = None
     try:
@@ -447,43 +448,30 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             # A peer stopped on the same signal first: the run was interrupted, nothing failed.
             _stop_interrupted(_signal_received, args, info)
         worker = _WORKER_DIED.search(str(exc))
+        if "Too many open files" in str(exc):  # torch's words, or its shared memory's (errno 24)
+            _stop_failed("error: %s %s", _open_files_message(), _rerun_sentence(args))
         unusable = _shm_unusable(str(exc))
         if unusable:  # it was fine at the start (see _shm_unusable_here)
-            _quiet_second_signal()
-            _expect_worker_deaths()
-            log.error("error: %s %s", _shm_unusable_message(unusable), _rerun_sentence(args))
-            sys.exit(1)
+            _stop_failed("error: %s %s", _shm_unusable_message(unusable), _rerun_sentence(args))
         if _SHM_FULL.search(str(exc)) or worker and "Bus error" in worker.group(0):
-            _quiet_second_signal()
-            _expect_worker_deaths()
             report, need = _shm_report(args, info)
-            log.error("error: out of shared memory%s; %s. %s", report, _shm_advice(need),
-                      _rerun_sentence(args))
-            sys.exit(1)
+            _stop_failed("error: out of shared memory%s; %s. %s", report, _shm_advice(need),
+                         _rerun_sentence(args))
         if worker:  # raised by torch's SIGCHLD handler wherever the rank was: not a traceback
-            _quiet_second_signal()
-            _expect_worker_deaths()
             # torch names the signal only when its SIGCHLD handler saw the death first.
-            log.error("error: %s - %s. %s", worker.group(0), _worker_death_cause(),
-                      _rerun_sentence(args))
-            sys.exit(1)
+            _stop_failed("error: %s - %s. %s", worker.group(0), _worker_death_cause(),
+                         _rerun_sentence(args))
         if _LOADER_TIMED_OUT.search(str(exc)):
-            _quiet_second_signal()
-            _expect_worker_deaths()
             for worker_process in multiprocessing.active_children():  # stuck: joined in vain
                 worker_process.terminate()
-            log.error("error: the DataLoader workers sent no batch in %d s: one was lost (its "
-                      "worker's own error is above: often a process, thread or open-file limit, "
-                      "or shared memory, met while sending it), or reading one batch takes that "
-                      "long (a hung network file system). %s", LOADER_TIMEOUT_S,
-                      _rerun_sentence(args))
-            sys.exit(1)
+            _stop_failed("error: the DataLoader workers sent no batch in %d s: one was lost (its "
+                         "worker's own error is above: often a process, thread or open-file "
+                         "limit, or shared memory, met while sending it), or reading one batch "
+                         "takes that long (a hung network file system). %s", LOADER_TIMEOUT_S,
+                         _rerun_sentence(args))
         if _NO_THREAD in str(exc):  # raised here, or in a worker and raised again here
-            _quiet_second_signal()
-            _expect_worker_deaths()
-            log.error("error: could not start a thread (%s): %s. %s", _NO_THREAD,
-                      _PROCESS_LIMIT, _rerun_sentence(args))
-            sys.exit(1)
+            _stop_failed("error: could not start a thread (%s): %s. %s", _NO_THREAD,
+                         _start_refused_cause(), _rerun_sentence(args))
         nccl_refused = nccl_setup_error(exc)
         if nccl_refused and not _set_up:
             log.error("error: NCCL refused to set up the run (%s); give every process a GPU of "
@@ -505,27 +493,27 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
                       "with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE, reachable from all "
                       "(inside a SLURM allocation: start them with srun).", reason)
             sys.exit(1)
+        if _waiting_for and re.search(r"(closed|reset) by peer", reason):  # rank 0 is gone
+            log.error("error: lost contact with the other processes of the run while waiting "
+                      "for %s (%s): it stopped - its own output says why.", _waiting_for[0],
+                      reason)
+            sys.exit(1)
         if _waiting_for:  # rank 0 may be busy, not dead: a slow scan ends here too
-            log.error("error: lost contact with the other processes of the run %s (%s).",
-                      _waiting_for, reason)
+            log.error("error: lost contact with the other processes of the run while waiting "
+                      "for %s (%s); %s.", _waiting_for[0], reason, _waiting_for[1])
             sys.exit(1)
         log.error("error: lost contact with the other processes of the run (%s); %s. %s", reason,
                   _OOM_KILLED if _oom_killed() else "usually one of them died or hung - its own "
                   "output says why", _rerun_sentence(args))
         sys.exit(1)
     except OSError as exc:
-        if exc.errno not in (errno.EAGAIN, errno.EMFILE, errno.ENFILE):
-            raise
-        _quiet_second_signal()
-        _expect_worker_deaths()
         if exc.errno == errno.EAGAIN:  # fork(): a loader starting its workers
-            log.error("error: could not start a process (%s): %s. %s", exc.strerror,
-                      _PROCESS_LIMIT, _rerun_sentence(args))
-        else:
-            log.error("error: too many open files (this process may open %s: ulimit -n); "
-                      "raise the limit (ulimit -n 65536; docker run --ulimit nofile=65536) or "
-                      "lower --workers. %s", _open_file_limit(), _rerun_sentence(args))
-        sys.exit(1)
+            _stop_failed("error: could not start a process (%s): %s. %s", exc.strerror,
+                         _start_refused_cause(), _rerun_sentence(args))
+        # (raised again from a loader worker, it keeps torch's words but not its errno)
+        if exc.errno in (errno.EMFILE, errno.ENFILE) or "Too many open files" in str(exc):
+            _stop_failed("error: %s %s", _open_files_message(), _rerun_sentence(args))
+        raise
     finally:
         _quiet_second_signal()
         cleanup()
@@ -537,12 +525,40 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
 
 
 _limit_hits: dict[str, int] = {}  # cgroup_limit_hits() when train() began
+_started_at = 0.0  # time.time() when train() began
 _LOADER_TIMED_OUT = re.compile(r"DataLoader timed out after \d+ seconds")
 _NO_THREAD = "can't start new thread"  # Python's words when the thread limit is reached
 _PROCESS_LIMIT = ("this machine's limit on processes and threads was reached (a container's pids "
                   "limit: docker run --pids-limit, Kubernetes' pod pids limit; or ulimit -u): "
                   "lower --workers (each DataLoader worker is a process with threads of its own) "
                   "or raise the limit")
+
+
+def _stop_failed(fmt: str, *fmt_args: Any) -> NoReturn:
+    """End this rank with one error line (exit code 1): no traceback, no worker's death noise."""
+    _quiet_second_signal()
+    _expect_worker_deaths()
+    log.error(fmt, *fmt_args)
+    sys.exit(1)
+
+
+def _start_refused_cause() -> str:
+    """Why a new process or thread was refused: the cgroup's process limit where it counted a
+    refusal since the start; else the usual suspects (a limit the cgroup does not count, such
+    as ulimit -u, or no memory for a new thread's stack)."""
+    refused = cgroup_limit_hits()["pids"]
+    if refused > _limit_hits.get("pids", refused):
+        return _PROCESS_LIMIT
+    return ("most often a limit on processes and threads (a container's pids limit: docker run "
+            "--pids-limit, Kubernetes' pod pids limit; or ulimit -u), or memory for a new "
+            "thread's stack: lower --workers (each DataLoader worker is a process with threads "
+            "of its own) or raise the limit")
+
+
+def _open_files_message() -> str:
+    return (f"too many open files (this process may open {_open_file_limit()}: ulimit -n); "
+            "raise the limit (ulimit -n 65536; docker run --ulimit nofile=65536) or lower "
+            "--workers.")
 
 
 _OOM_KILLED = ("meanwhile the out-of-memory killer stopped a process at this container's memory "
@@ -558,9 +574,9 @@ def _oom_killed() -> bool:
 
 def _worker_death_cause() -> str:
     """Why a DataLoader worker most likely died, from the cgroup's counters where they say."""
-    refused = cgroup_limit_hits()["pids"]
-    if refused > _limit_hits.get("pids", refused):
-        return _PROCESS_LIMIT  # it could not start a thread it needs: it exits with code 1
+    cause = _start_refused_cause()
+    if cause == _PROCESS_LIMIT:  # it could not start a thread it needs: it exits with code 1
+        return cause
     if _oom_killed():
         return ("the out-of-memory killer stopped a process at this container's memory limit: "
                 "lower --workers or --batch-size, or give the job more memory")
@@ -645,22 +661,31 @@ def _shm_report(args: argparse.Namespace, info: DistInfo | None) -> tuple[str, i
             f"there: {how})", need)
 
 
-def rerun_hint(args: argparse.Namespace) -> str:
+def rerun_hint(args: argparse.Namespace, started: float | None = None) -> str:
     """What to run to continue the run, for messages: ``run the same command again: it continues
     from ...``, or, when the command's --resume would not continue the run's own checkpoint
-    (``none`` starts over, a PATH starts from that file again), the flag to change."""
+    (``none`` starts over, a PATH starts from that file again), the flag to change.
+
+    ``started``: when the run began (``time.time()``; default: when :func:`train` began here).
+    An older checkpoint.pth is an earlier run's, which a ``--resume none`` run replaces once it
+    is about to train: continuing it is not what that command asked for.
+    """
     out = Path(args.output_dir)
     checkpoint = out / "checkpoint.pth"
     fresh = args.resume in (None, "", "none")
-    if not checkpoint.is_file():
-        if fresh or args.resume == "auto":
-            return "run the same command again: it continues from the start"
-        return f"run the same command again: it starts from {args.resume} again"
-    if not fresh and (args.resume == "auto" or Path(args.resume).resolve() == checkpoint.resolve()):
-        return f"run the same command again: it continues from the last complete checkpoint in {out}"
-    return (f"to continue from the last complete checkpoint in {out}, run the same command with "
-            f"--resume auto in place of --resume {args.resume or 'none'} (which would "
-            f"{'start over' if fresh else 'go back to that file'})")
+    if args.resume == "auto" or not fresh and Path(args.resume).resolve() == checkpoint.resolve():
+        done = f"the last complete checkpoint in {out}" if checkpoint.is_file() else "the start"
+        return f"run the same command again: it continues from {done}"
+    try:
+        ours = checkpoint.stat().st_mtime >= (_started_at if started is None else started)
+    except OSError:
+        ours = False
+    if not ours:
+        again = "over" if fresh else f"from {args.resume} again"
+        return f"run the same command again: it starts {again}"
+    return (f"run the same command with --resume auto in place of --resume "
+            f"{args.resume or 'none'} to continue from the last complete checkpoint in {out} (the "
+            f"same command would {'start over' if fresh else 'go back to that file'})")
 
 
 def _rerun_sentence(args: argparse.Namespace) -> str:
@@ -671,12 +696,15 @@ def _rerun_sentence(args: argparse.Namespace) -> str:
 def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | None) -> NoReturn:
     _quiet_second_signal()
     _expect_worker_deaths()
-    if signame == "SIGTERM" and _oom_killed():
-        # torchrun stops the others when a rank dies: the kill is the news, not the signal.
+    # torchrun stops the others when a rank dies: the kill is the news, not the signal, and
+    # every rank says it (rank 0 may be the one killed).
+    oom = signame == "SIGTERM" and _oom_killed()
+    if oom:
         signame += f" ({_OOM_KILLED})"
-    if (info is None or info.is_main) and args.eval_only:
+    says = info is None or info.is_main or oom
+    if says and args.eval_only:
         log.error("interrupted by %s.", signame)
-    elif info is None or info.is_main:
+    elif says:
         out = Path(args.output_dir)
         if (out / "checkpoint.pth").is_file():
             log.error("interrupted by %s; %s.", signame, rerun_hint(args))
@@ -701,7 +729,7 @@ def _seed_everything(seed: int, rank: int) -> None:
 
 
 # What this rank waits for in a long collective, for the "lost contact" message.
-_waiting_for: str | None = None
+_waiting_for: tuple[str, str] | None = None  # (what, and what to do if it is only slow)
 # The process group, model and DDP are set up: a failure now is not the set-up's (train()).
 _set_up = False
 
@@ -714,16 +742,16 @@ def _scan_on_rank0(root: str, verify: bool, info: DistInfo, min_classes: int) ->
         log.info("scanning %s%s", root, " and checking each image's header" if verify else "")
         try:
             result = scan_image_folder(root, verify=verify, min_classes=min_classes)
-        except DataError as exc:
+        except (DataError, OSError) as exc:  # OSError: the machine's (an open-file limit)
             result = exc
     global _waiting_for
     if not info.is_main:
-        _waiting_for = (f"while waiting for rank 0 to scan {root}; if it was still scanning, "
-                        "the scan takes longer than --dist-timeout: raise it, or pass "
-                        "--no-verify-images for a faster scan")
+        _waiting_for = (f"rank 0 to scan {root}", "if it was still scanning, the scan takes "
+                        "longer than --dist-timeout: raise it, or pass --no-verify-images for a "
+                        "faster scan")
     result = broadcast_object(result)  # if it raises, train() says what this rank waited for
     _waiting_for = None
-    if isinstance(result, DataError):
+    if isinstance(result, (DataError, OSError)):
         raise result
     return result
 

@@ -171,6 +171,7 @@ def _check_port_free(port: int) -> None:
 
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    started = time.time()  # a checkpoint.pth older than this is an earlier run's (rerun_hint)
     if args.node_rank >= args.nnodes:
         _fail(f"--node-rank {args.node_rank} but --nnodes {args.nnodes}: node ranks run from 0 "
               f"to {args.nnodes - 1}.")
@@ -207,7 +208,7 @@ def main(args: argparse.Namespace) -> None:
     except mp.ProcessExitedException as exc:
         if context.interrupted:
             log.error("stopped by %s; %s.", signal.Signals(context.interrupted).name,
-                      rerun_hint(args))
+                      rerun_hint(args, started))
             sys.exit(128 + context.interrupted)
         code = exc.exit_code
         if code == 2:  # a user error: the child already said what is wrong
@@ -215,12 +216,13 @@ def main(args: argparse.Namespace) -> None:
         others = "; the others on this machine were stopped" if nprocs > 1 else ""
         how = f"signal {exc.signal_name}" if code is not None and code < 0 else f"exit code {code}"
         log.error("process %d (rank %d) failed (%s)%s. Fix the cause, then %s.", exc.error_index,
-                  args.node_rank * nprocs + exc.error_index, how, others, rerun_hint(args))
+                  args.node_rank * nprocs + exc.error_index, how, others,
+                  rerun_hint(args, started))
         sys.exit(1)
     except mp.ProcessRaisedException as exc:
         others = "; the others on this machine were stopped" if nprocs > 1 else ""
         log.error("a process raised an error%s:\n%s\nFix the cause, then %s.", others, exc,
-                  rerun_hint(args))
+                  rerun_hint(args, started))
         sys.exit(1)
     if context.interrupted:
         sys.exit(128 + context.interrupted)

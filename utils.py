@@ -217,9 +217,9 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                            else ""))
     for name in class_names:
         if not _is_utf8(name):
-            raise DataError(f"class folder {printable_path(name)} in {printable_path(root)}: its name "
-                            f"{_not_utf8(name)} (class names are written to class_indices.json "
-                            "and checkpoints).")
+            raise DataError(f"class folder {printable_path(name)} in {printable_path(root)}: "
+                            f"its name {_not_utf8(name)} (class names are written to "
+                            "class_indices.json and checkpoints).")
     _check_class_names(root, class_names)
     # Images next to the class folders belong to no class: listed, not silently left out.
     skipped: list[tuple[str, str]] = [

@@ -532,10 +532,12 @@ def cgroup_folders(controller: str, root: str = "/sys/fs/cgroup",
 
 def cgroup_limit_hits(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup"
                       ) -> dict[str, int]:
-    """How often, so far, this process's cgroup and its ancestors refused a new process or
-    thread at their limit (``pids``: ``docker run --pids-limit``, Kubernetes' pod pids limit)
-    and how many processes the out-of-memory killer stopped in them (``oom_kill``: a memory
-    limit). Counters only: compare two readings to tell why a process died in between."""
+    """How often, so far, a process limit refused this process's cgroup a new process or thread
+    (``pids``: ``docker run --pids-limit``, Kubernetes' pod pids limit, counted by the cgroup
+    that sets it: this one or the nearest ancestor with a limit), and how many processes of this
+    cgroup the out-of-memory killer stopped (``oom_kill``: its own count, so another job's kills
+    on a shared host are not). Counters only: compare two readings to tell why a process died.
+    """
     def count(folder: str, name: str, key: str) -> int:  # "max 3" in pids.events
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
@@ -546,11 +548,20 @@ def cgroup_limit_hits(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgrou
         except (OSError, ValueError):
             pass
         return 0
-    return {"pids": sum(count(folder, "pids.events", "max")
-                        for folder in cgroup_folders("pids", root, own)),
-            "oom_kill": sum(count(folder, "memory.events", "oom_kill") or
-                            count(folder, "memory.oom_control", "oom_kill")
-                            for folder in cgroup_folders("memory", root, own))}
+
+    refused = 0
+    for folder in (f for f in cgroup_folders("pids", root, own) if os.path.isdir(f)):
+        refused += count(folder, "pids.events", "max")
+        try:
+            with open(os.path.join(folder, "pids.max"), encoding="utf-8") as f:
+                if f.read().strip() != "max":
+                    break  # the limit that applies: the ancestors' counts are other jobs'
+        except OSError:
+            pass
+    mine = next((f for f in cgroup_folders("memory", root, own) if os.path.isdir(f)), None)
+    killed = 0 if mine is None else (count(mine, "memory.events", "oom_kill") or
+                                     count(mine, "memory.oom_control", "oom_kill"))
+    return {"pids": refused, "oom_kill": killed}
 
 
 def _read_cpu_max(folder: str) -> float | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import errno
 import os
 import shutil
 import sys
@@ -308,6 +309,25 @@ def test_utf8_names_read_by_a_python_that_is_not_in_utf8_mode_say_how_to_run_it(
         f"class folder L\\xf6wenzahn in {root}: its name is UTF-8, but this Python reads file "
         "names as ascii; run it with PYTHONUTF8=1 (or in a UTF-8 locale, LC_ALL=C.UTF-8) (class "
         "names are written to class_indices.json and checkpoints)."), result.stderr[-2000:]
+    # A class name read from a checkpoint is text: predict.py printed none of its lines.
+    code = "from my_dataset import printable_path; print(ascii(printable_path('L\\u00f6wenzahn')))"
+    result = run([sys.executable, "-c", code], timeout=60, LC_ALL="C", PYTHONUTF8="0",
+                 PYTHONPATH=str(ROOT))
+    assert result.stdout.strip() == "'L\\xf6wenzahn'", result.stderr[-2000:]
+
+
+def test_running_out_of_file_descriptors_is_not_a_bad_image(tmp_path, monkeypatch):
+    """At ulimit -n 32 the loader workers called good images unreadable and trained their
+    placeholders: the error is the machine's, and is raised."""
+    root = two_class_data(tmp_path / "data", 1)
+    dataset = MyDataSet([str(p) for p in sorted(root.rglob("*.jpg"))], [0, 1])
+
+    def no_descriptors(path, *args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr("my_dataset.load_pil_image", no_descriptors)
+    with pytest.raises(OSError, match="Too many open files"):
+        dataset[0]
+    assert not dataset._reported.any()
 
 
 def test_write_json_atomic_cleans_up_and_uses_normal_permissions(tmp_path):

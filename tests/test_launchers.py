@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,21 +214,23 @@ def test_freeze_layers_trains_only_fc():
 
 
 AGAIN = "run the same command again: it continues from "
+RESUME_AUTO = ("run the same command with --resume auto in place of --resume {flag} to continue "
+               "from the last complete checkpoint in {out} (the same command would {would})")
 
 
 @pytest.mark.parametrize("resume, saved, want", [
-    ("auto", True, AGAIN + "the last complete checkpoint in {out}"),
-    ("auto", False, AGAIN + "the start"),
-    ("{out}/checkpoint.pth", True, AGAIN + "the last complete checkpoint in {out}"),
-    ("none", False, AGAIN + "the start"),
-    ("none", True, "to continue from the last complete checkpoint in {out}, run the same command "
-                   "with --resume auto in place of --resume none (which would start over)"),
-    ("/elsewhere/model_best.pth", False, "run the same command again: it starts from "
-                                         "/elsewhere/model_best.pth again"),
-    ("/elsewhere/model_best.pth", True, "to continue from the last complete checkpoint in {out}, "
-                                        "run the same command with --resume auto in place of "
-                                        "--resume /elsewhere/model_best.pth (which would go back "
-                                        "to that file)"),
+    ("auto", "by this run", AGAIN + "the last complete checkpoint in {out}"),
+    ("auto", "before it", AGAIN + "the last complete checkpoint in {out}"),
+    ("auto", None, AGAIN + "the start"),
+    ("{out}/checkpoint.pth", "by this run", AGAIN + "the last complete checkpoint in {out}"),
+    ("none", None, "run the same command again: it starts over"),
+    # an earlier run's, not yet set aside (the run stopped while scanning its data)
+    ("none", "before it", "run the same command again: it starts over"),
+    ("none", "by this run", RESUME_AUTO.format(flag="none", out="{out}", would="start over")),
+    ("/elsewhere/model_best.pth", None, "run the same command again: it starts from "
+                                        "/elsewhere/model_best.pth again"),
+    ("/elsewhere/model_best.pth", "by this run", RESUME_AUTO.format(
+        flag="/elsewhere/model_best.pth", out="{out}", would="go back to that file")),
 ])
 def test_failure_messages_say_what_a_rerun_does(tmp_path, resume, saved, want):
     """The spawn launcher promised a resume from checkpoint.pth when no epoch had been saved,
@@ -236,8 +240,11 @@ def test_failure_messages_say_what_a_rerun_does(tmp_path, resume, saved, want):
 
     out = tmp_path / "run"
     out.mkdir()
+    started = time.time()
     if saved:
         (out / "checkpoint.pth").write_bytes(b"x")
+        if saved == "before it":
+            os.utime(out / "checkpoint.pth", (started - 60, started - 60))
     args = spawn.get_args_parser().parse_args(["--output-dir", str(out),
                                                "--resume", resume.format(out=out)])
-    assert rerun_hint(args) == want.format(out=out)
+    assert rerun_hint(args, started) == want.format(out=out)

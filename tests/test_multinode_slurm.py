@@ -325,12 +325,23 @@ def test_cgroup_cpu_limit_reads_the_quota_of_the_cgroup_and_its_ancestors(own, f
 
 
 @pytest.mark.parametrize("own, files, want", [
-    # cgroup v2: the pod's pids limit was hit twice, the container's memory limit killed one
-    ("0::/kubepods/pod1/ctr\n", {"kubepods/pod1/pids.events": "max 2\n",
+    # cgroup v2: the pod's pids limit was hit twice (its parent's count is other pods'), the
+    # container's memory limit killed one (the pod's count includes other containers')
+    ("0::/kubepods/pod1/ctr\n", {"kubepods/pids.events": "max 9\n",
+                                 "kubepods/pod1/pids.max": "100\n",
+                                 "kubepods/pod1/pids.events": "max 2\n",
+                                 "kubepods/pod1/ctr/pids.max": "max\n",
                                  "kubepods/pod1/ctr/pids.events": "max 0\n",
+                                 "kubepods/pod1/memory.events": "oom_kill 4\n",
                                  "kubepods/pod1/ctr/memory.events": "low 0\nhigh 0\nmax 5\noom 1\n"
                                                                    "oom_kill 1\n"},
      {"pids": 2, "oom_kill": 1}),
+    # a shared host without a cgroup namespace: a sibling job's kills are not this job's
+    ("0::/system.slice/slurmstepd.scope/job_1\n",
+     {"system.slice/slurmstepd.scope/memory.events": "oom_kill 2\n",
+      "system.slice/slurmstepd.scope/job_2/memory.events": "oom_kill 2\n",
+      "system.slice/slurmstepd.scope/job_1/memory.events": "oom_kill 0\n"},
+     {"pids": 0, "oom_kill": 0}),
     # cgroup v1: each controller has its tree; the OOM count is in memory.oom_control
     ("8:pids:/docker/abc\n4:memory:/docker/abc\n",
      {"pids/docker/abc/pids.events": "max 7\n",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path

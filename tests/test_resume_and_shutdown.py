@@ -871,18 +871,19 @@ def test_a_worker_that_cannot_start_its_fd_sharing_thread_stops_the_run(tmp_path
         from multiprocessing import resource_sharer
         from train_multi_gpu_using_launch import get_args_parser
         from torch.utils.data import get_worker_info
-        real = threading.Thread.start
+        real, serve = threading.Thread.start, resource_sharer._ResourceSharer._serve
         def start(self):
             if get_worker_info() is not None and getattr(self, "_target", None) is not None \\
-                    and getattr(self._target, "__func__", None) is resource_sharer._ResourceSharer._serve:
+                    and getattr(self._target, "__func__", None) is serve:
                 raise RuntimeError("can't start new thread")  # the process limit, there only
             return real(self)
         threading.Thread.start = start
         train_common.train(get_args_parser().parse_args(sys.argv[1:]))
     """)
     error, _ = one_error_line(script, tiny_data, tmp_path / "out")
-    assert error.endswith("error: could not start a thread (can't start new thread): " +
-                          PROCESS_LIMIT), error
+    # (no cgroup counted a refusal here: the usual suspects are named)
+    assert "error: could not start a thread (can't start new thread): most often a limit on " \
+           "processes and threads" in error, error
 
 
 SHM_UNUSABLE = ("error: DataLoader workers cannot use shared memory (/dev/shm: Read-only file "
@@ -923,6 +924,9 @@ PROCESS_LIMIT = ("this machine's limit on processes and threads was reached (a c
                  "limit: docker run --pids-limit, Kubernetes' pod pids limit; or ulimit -u): lower "
                  "--workers (each DataLoader worker is a process with threads of its own) or raise "
                  "the limit. Run the same command again: it continues from the start.")
+OPEN_FILES = ("error: too many open files (this process may open {nofile}: ulimit -n); raise the "
+              "limit (ulimit -n 65536; docker run --ulimit nofile=65536) or lower --workers. Run "
+              "the same command again: it continues from the start.")
 WORKER_EXITED = ("DataLoader worker (pid 4242) exited unexpectedly with exit code 1. Details are "
                  "lost due to multiprocessing. Rerunning with num_workers=0 may give better error "
                  "trace.")
@@ -942,10 +946,18 @@ WORKER_EXITED = ("DataLoader worker (pid 4242) exited unexpectedly with exit cod
      "error: could not start a thread (can't start new thread): " + PROCESS_LIMIT),
     (BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"), "pids",
      "error: could not start a process (Resource temporarily unavailable): " + PROCESS_LIMIT),
-    (OSError(errno.EMFILE, "Too many open files"), None, "error: too many open files (this "
-     "process may open {nofile}: ulimit -n); raise the limit (ulimit -n 65536; docker run "
-     "--ulimit nofile=65536) or lower --workers. Run the same command again: it continues from "
-     "the start."),
+    # no refusal counted: ulimit -u, or no memory for the thread's stack
+    (RuntimeError("can't start new thread"), None, "error: could not start a thread (can't "
+     "start new thread): most often a limit on processes and threads (a container's pids limit"),
+    (OSError(errno.EMFILE, "Too many open files"), None, OPEN_FILES),
+    # torch's words for EMFILE met by the loader, and its shared memory's: not "out of shared
+    # memory"
+    (RuntimeError("Too many open files. Communication with the workers is no longer possible. "
+                  "Please increase the limit using `ulimit -n` in the shell or change the sharing "
+                  "strategy by calling `torch.multiprocessing.set_sharing_strategy('file_system')`"
+                  " at the beginning of your code"), None, OPEN_FILES),
+    (RuntimeError("unable to open shared memory object </torch_1_2_3> in read-write mode: Too "
+                  "many open files (24)"), None, OPEN_FILES),
 ])
 def test_a_process_or_file_limit_met_by_the_loaders_is_one_line_with_its_cause(
         raised, hit, want, tmp_path, tiny_data, train_here, monkeypatch):
@@ -957,12 +969,12 @@ def test_a_process_or_file_limit_met_by_the_loaders_is_one_line_with_its_cause(
 
     hits = {"pids": 3, "oom_kill": 1}
 
-    def run(args, info):
+    def fails(args, info):
         if hit:
             hits[hit] += 1  # the cgroup counted the refusal (or the kill)
         raise raised
     monkeypatch.setattr(train_common, "cgroup_limit_hits", lambda: dict(hits))
-    monkeypatch.setattr(train_common, "_run", run)
+    monkeypatch.setattr(train_common, "_run", fails)
     code, err = train_here(flags(tiny_data, tmp_path / "out", workers=2))
     assert code == 1, err[-3000:]
     errors = [line for line in err.splitlines() if "error:" in line]
@@ -976,33 +988,79 @@ OOM_KILLED = ("meanwhile the out-of-memory killer stopped a process at this cont
               "limit, most often why: lower --workers or --batch-size, or give the job more memory")
 
 
-@pytest.mark.parametrize("raised, code, want", [
+@pytest.mark.parametrize("raised, rank, code, want", [
     # torchrun stops the others with SIGTERM; rank 0 said only "interrupted by SIGTERM"
-    (KeyboardInterrupt("SIGTERM"), 143, f"interrupted by SIGTERM ({OOM_KILLED}) before the "
-                                        "first epoch was saved"),
+    (KeyboardInterrupt("SIGTERM"), 0, 143, f"interrupted by SIGTERM ({OOM_KILLED}) before the "
+                                           "first epoch was saved"),
+    # rank 0 was the one killed: the others, silent on a stop signal, say it
+    (KeyboardInterrupt("SIGTERM"), 1, 143, f"[rank 1] interrupted by SIGTERM ({OOM_KILLED})"),
     # or gloo sees the peer's socket close first (measured: a 1400M memory cgroup, 2 ranks)
-    (RuntimeError("Read error [127.0.0.1]:28566: Connection reset by peer"), 1,
+    (RuntimeError("Read error [127.0.0.1]:28566: Connection reset by peer"), 0, 1,
      "error: lost contact with the other processes of the run (Read error [127.0.0.1]:28566: "
      f"Connection reset by peer); {OOM_KILLED}. Run the same command again"),
 ])
-def test_a_rank_killed_for_memory_is_named_by_the_ranks_it_leaves(raised, code, want, tmp_path,
-                                                                  tiny_data, train_here,
-                                                                  monkeypatch):
+def test_a_rank_killed_for_memory_is_named_by_the_ranks_it_leaves(raised, rank, code, want,
+                                                                  tmp_path, tiny_data,
+                                                                  train_here, monkeypatch):
     import train_common
     from multi_train_utils.distributed_utils import DistInfo
 
     hits = {"pids": 0, "oom_kill": 2}
-    # Rank 0 of 2, as the group left it (the process group itself is not needed here).
+    # A rank of 2, as the group left it (the process group itself is not needed here).
     monkeypatch.setattr(train_common, "init_distributed_mode",
-                        lambda **kwargs: DistInfo(world_size=2, backend="gloo"))
+                        lambda **kwargs: DistInfo(rank=rank, local_rank=rank, world_size=2,
+                                                  backend="gloo"))
 
-    def run(args, info):
-        hits["oom_kill"] += 1  # another rank of this container was killed
+    def fails(args, info):
+        hits["oom_kill"] += 1  # a process of this container was killed
         raise raised
     monkeypatch.setattr(train_common, "cgroup_limit_hits", lambda: dict(hits))
-    monkeypatch.setattr(train_common, "_run", run)
+    monkeypatch.setattr(train_common, "_run", fails)
     got, err = train_here(flags(tiny_data, tmp_path / "out"))
     assert got == code and want in err, err[-3000:]
+
+
+@pytest.mark.parametrize("reason, want", [
+    # rank 0 died while scanning (at a pids limit of 20: its scan threads were refused)
+    ("Connection closed by peer [127.0.0.1]:4242", "[rank 1] error: lost contact with the other "
+     "processes of the run while waiting for rank 0 to scan {root} (Connection closed by peer "
+     "[127.0.0.1]:4242): it stopped - its own output says why."),
+    # rank 0 may be scanning still: a big folder and a short --dist-timeout
+    ("Socket Timeout", "[rank 1] error: lost contact with the other processes of the run while "
+     "waiting for rank 0 to scan {root} (Socket Timeout); if it was still scanning, the scan "
+     "takes longer than --dist-timeout: raise it, or pass --no-verify-images for a faster scan."),
+])
+def test_a_rank_that_loses_rank_0_during_the_scan_says_whether_it_died(
+        reason, want, tmp_path, tiny_data, train_here, monkeypatch):
+    """Rank 0 that died in its scan was said to be, perhaps, still scanning."""
+    import train_common
+    from multi_train_utils.distributed_utils import DistInfo
+
+    monkeypatch.setattr(train_common, "init_distributed_mode",
+                        lambda **kwargs: DistInfo(rank=1, local_rank=1, world_size=2,
+                                                  backend="gloo"))
+
+    def broadcast(obj):  # gloo's words when rank 0 is gone, or silent
+        raise torch.distributed.DistNetworkError(reason)
+    monkeypatch.setattr(train_common, "broadcast_object", broadcast)
+    monkeypatch.setattr(train_common, "_run", lambda args, info: train_common._scan_on_rank0(
+        str(tiny_data), True, info, 2))
+    code, err = train_here(flags(tiny_data, tmp_path / "out"))
+    assert code == 1 and want.format(root=tiny_data) in err, err[-3000:]
+
+
+def test_the_scan_of_rank_0_hands_an_open_file_limit_to_every_rank(tmp_path, train_here,
+                                                                   tiny_data, monkeypatch):
+    """Out of file descriptors, the header check called good images unreadable and left them
+    out (at ulimit -n 32). The error is the machine's: every rank stops with the limit named."""
+    def no_descriptors(path, *args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr("my_dataset.Image.open", no_descriptors)
+    code, err = train_here(flags(tiny_data, tmp_path / "out"))
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "error: too many open files (this process may open" in errors[0]
+    assert "not a readable image" not in err and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_a_worker_killed_by_sigbus_is_said_to_lack_shared_memory(tmp_path, tiny_data, train_here,
@@ -1179,9 +1237,9 @@ def test_a_stopped_resume_none_run_says_to_continue_with_resume_auto(tmp_path, t
     out = tmp_path / "out"
     code, err = train_here(flags(tiny_data, out, "--epochs", "2", "--resume", "none"))
     assert code == 143, err[-3000:]
-    assert (f"interrupted by SIGTERM; to continue from the last complete checkpoint in {out}, run "
-            "the same command with --resume auto in place of --resume none (which would start "
-            "over).") in err, err[-3000:]
+    assert ("interrupted by SIGTERM; run the same command with --resume auto in place of "
+            f"--resume none to continue from the last complete checkpoint in {out} (the same "
+            "command would start over).") in err, err[-3000:]
     monkeypatch.undo()
     code, err = train_here(flags(tiny_data, out, "--epochs", "2", "--resume", "auto"))
     assert code == 0 and "resumed from" in err, err[-3000:]
