@@ -7,10 +7,11 @@ stops together.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
-import errno
 import os
+import re
 import shutil
 import sys
 import unicodedata
@@ -314,6 +315,25 @@ def test_utf8_names_read_by_a_python_that_is_not_in_utf8_mode_say_how_to_run_it(
     result = run([sys.executable, "-c", code], timeout=60, LC_ALL="C", PYTHONUTF8="0",
                  PYTHONPATH=str(ROOT))
     assert result.stdout.strip() == "'L\\xf6wenzahn'", result.stderr[-2000:]
+
+
+def test_a_dataset_built_without_shared_memory_works_without_workers_only(tmp_path, monkeypatch):
+    """/dev/shm read-only: the counters stay private, which a process without loader workers
+    can use; a worker would not see set_epoch(), so it raises torch's error instead of
+    repeating one epoch's augmentation unseen."""
+    root = two_class_data(tmp_path / "data", 1)
+    error = ("unable to open shared memory object </torch_1_2_3> in read-write mode: Read-only "
+             "file system (30)")
+
+    def read_only(self):
+        raise RuntimeError(error)
+    monkeypatch.setattr(torch.Tensor, "share_memory_", read_only)
+    dataset = MyDataSet([str(p) for p in sorted(root.rglob("*.jpg"))], [0, 1], decoder="tensor")
+    dataset.set_epoch(3)
+    assert dataset[0][1] == 0 and int(dataset._epoch[0]) == 3
+    monkeypatch.setattr("my_dataset.get_worker_info", lambda: object())  # as in a worker
+    with pytest.raises(RuntimeError, match=re.escape(error)):
+        dataset[0]
 
 
 def test_running_out_of_file_descriptors_is_not_a_bad_image(tmp_path, monkeypatch):
