@@ -301,19 +301,19 @@ def test_utf8_names_read_by_a_python_that_is_not_in_utf8_mode_say_how_to_run_it(
     folder was called "not valid UTF-8; rename it"."""
     root = two_class_data(tmp_path / "data", 2)
     make_class(root / "Löwenzahn", 2, 3)
+    # The second line: a class name read from a checkpoint is text, and predict.py printed none
+    # of its lines.
     code = ("import sys; from utils import scan_image_folder, DataError\n"
+            "from my_dataset import printable_path\n"
             "try: scan_image_folder(sys.argv[1])\n"
-            "except DataError as exc: print(exc, file=sys.stderr)")  # escaped there, as in logs
+            "except DataError as exc: print(exc, file=sys.stderr)\n"  # escaped there, as in logs
+            "print(ascii(printable_path('L\\u00f6wenzahn')))")
     result = run([sys.executable, "-c", code, str(root)], timeout=60,
                  LC_ALL="C", PYTHONUTF8="0", PYTHONPATH=str(ROOT))
     assert result.stderr.strip() == (
         f"class folder L\\xf6wenzahn in {root}: its name is UTF-8, but this Python reads file "
         "names as ascii; run it with PYTHONUTF8=1 (or in a UTF-8 locale, LC_ALL=C.UTF-8) (class "
         "names are written to class_indices.json and checkpoints)."), result.stderr[-2000:]
-    # A class name read from a checkpoint is text: predict.py printed none of its lines.
-    code = "from my_dataset import printable_path; print(ascii(printable_path('L\\u00f6wenzahn')))"
-    result = run([sys.executable, "-c", code], timeout=60, LC_ALL="C", PYTHONUTF8="0",
-                 PYTHONPATH=str(ROOT))
     assert result.stdout.strip() == "'L\\xf6wenzahn'", result.stderr[-2000:]
 
 

@@ -893,21 +893,23 @@ SHM_UNUSABLE = ("error: DataLoader workers cannot use shared memory (/dev/shm: R
                 "then loaded by the training process).")
 
 
-def test_a_read_only_dev_shm_is_said_so_and_training_without_workers_needs_none(tmp_path,
-                                                                                tiny_data):
+def test_a_read_only_dev_shm_is_said_so_and_training_without_workers_needs_none(
+        tmp_path, tiny_data, train_here, monkeypatch):
     """A read-only (or absent) /dev/shm was called "out of shared memory" with all of it free
     (or, as multiprocessing met it first, an OSError traceback), and --workers 0 did not help:
-    the dataset put its counters there even without workers. Now it is found before training."""
-    env = {"PYTHONPATH": str(ROOT), "SHM_FAILS": "everywhere", "SHM_ERROR": SHM_READ_ONLY}
-    result = run([sys.executable, "-c", SHM_FAILING, *flags(tiny_data, tmp_path / "w", workers=1)],
-                 timeout=120, **env)
-    errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
-    assert errors[0].endswith(SHM_UNUSABLE) and "Traceback" not in result.stderr, errors
+    the dataset put its counters there even without workers. Now it is found before training,
+    before any worker starts (so this runs in-process)."""
+    def read_only(*args, **kwargs):
+        raise RuntimeError(SHM_READ_ONLY)
+    monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", read_only)
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", read_only)
+    code, err = train_here(flags(tiny_data, tmp_path / "w", workers=1))
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1, err[-3000:]
+    assert errors[0].endswith(SHM_UNUSABLE) and "Traceback" not in err, errors
     out = tmp_path / "no-workers"
-    result = run([sys.executable, "-c", SHM_FAILING, *flags(tiny_data, out, "--epochs", "1")],
-                 timeout=120, **env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1"))
+    assert code == 0, err[-3000:]
     assert [m["epoch"] for m in read_metrics(out)] == [0]
 
 
