@@ -502,9 +502,10 @@ def train(args: argparse.Namespace, launcher_pid: int | None = None) -> None:
             log.error("error: lost contact with the other processes of the run while waiting "
                       "for %s (%s); %s.", _waiting_for[0], reason, _waiting_for[1])
             sys.exit(1)
+        why = (_OOM_KILLED if _counted_since_start("oom_kill") else
+               "usually one of them died or hung - its own output says why")
         log.error("error: lost contact with the other processes of the run (%s); %s. %s", reason,
-                  _OOM_KILLED if _oom_killed() else "usually one of them died or hung - its own "
-                  "output says why", _rerun_sentence(args))
+                  why, _rerun_sentence(args))
         sys.exit(1)
     except OSError as exc:
         if exc.errno == errno.EAGAIN:  # fork(): a loader starting its workers
@@ -528,10 +529,12 @@ _limit_hits: dict[str, int] = {}  # cgroup_limit_hits() when train() began
 _started_at = 0.0  # time.time() when train() began
 _LOADER_TIMED_OUT = re.compile(r"DataLoader timed out after \d+ seconds")
 _NO_THREAD = "can't start new thread"  # Python's words when the thread limit is reached
-_PROCESS_LIMIT = ("this machine's limit on processes and threads was reached (a container's pids "
-                  "limit: docker run --pids-limit, Kubernetes' pod pids limit; or ulimit -u): "
-                  "lower --workers (each DataLoader worker is a process with threads of its own) "
-                  "or raise the limit")
+_PIDS_LIMITS = ("a container's pids limit: docker run --pids-limit, Kubernetes' pod pids limit; "
+                "or ulimit -u")
+_FEWER_PROCESSES = ("lower --workers (each DataLoader worker is a process with threads of its own) "
+                    "or raise the limit")
+_PROCESS_LIMIT = (f"this machine's limit on processes and threads was reached ({_PIDS_LIMITS}): "
+                  f"{_FEWER_PROCESSES}")
 
 
 def _stop_failed(fmt: str, *fmt_args: Any) -> NoReturn:
@@ -546,13 +549,16 @@ def _start_refused_cause() -> str:
     """Why a new process or thread was refused: the cgroup's process limit where it counted a
     refusal since the start; else the usual suspects (a limit the cgroup does not count, such
     as ulimit -u, or no memory for a new thread's stack)."""
-    refused = cgroup_limit_hits()["pids"]
-    if refused > _limit_hits.get("pids", refused):
+    if _counted_since_start("pids"):
         return _PROCESS_LIMIT
-    return ("most often a limit on processes and threads (a container's pids limit: docker run "
-            "--pids-limit, Kubernetes' pod pids limit; or ulimit -u), or memory for a new "
-            "thread's stack: lower --workers (each DataLoader worker is a process with threads "
-            "of its own) or raise the limit")
+    return (f"most often a limit on processes and threads ({_PIDS_LIMITS}), or memory for a new "
+            f"thread's stack: {_FEWER_PROCESSES}")
+
+
+def _counted_since_start(counter: str) -> bool:
+    """Whether the cgroup's ``counter`` (see :func:`cgroup_limit_hits`) rose since train() began."""
+    now = cgroup_limit_hits()[counter]
+    return now > _limit_hits.get(counter, now)
 
 
 def _open_files_message() -> str:
@@ -566,18 +572,11 @@ _OOM_KILLED = ("meanwhile the out-of-memory killer stopped a process at this con
                "memory")
 
 
-def _oom_killed() -> bool:
-    """Whether the out-of-memory killer stopped a process of this cgroup since train() began."""
-    killed = cgroup_limit_hits()["oom_kill"]
-    return killed > _limit_hits.get("oom_kill", killed)
-
-
 def _worker_death_cause() -> str:
     """Why a DataLoader worker most likely died, from the cgroup's counters where they say."""
-    cause = _start_refused_cause()
-    if cause == _PROCESS_LIMIT:  # it could not start a thread it needs: it exits with code 1
-        return cause
-    if _oom_killed():
+    if _counted_since_start("pids"):  # it could not start a thread it needs: it exits with 1
+        return _PROCESS_LIMIT
+    if _counted_since_start("oom_kill"):
         return ("the out-of-memory killer stopped a process at this container's memory limit: "
                 "lower --workers or --batch-size, or give the job more memory")
     return ("most often the out-of-memory killer (see dmesg): lower --workers or --batch-size, "
@@ -698,7 +697,7 @@ def _stop_interrupted(signame: str, args: argparse.Namespace, info: DistInfo | N
     _expect_worker_deaths()
     # torchrun stops the others when a rank dies: the kill is the news, not the signal, and
     # every rank says it (rank 0 may be the one killed).
-    oom = signame == "SIGTERM" and _oom_killed()
+    oom = signame == "SIGTERM" and _counted_since_start("oom_kill")
     if oom:
         signame += f" ({_OOM_KILLED})"
     says = info is None or info.is_main or oom
