@@ -56,8 +56,8 @@ from multi_train_utils.train_eval_utils import (EvalResult, common_amp_dtype, ev
 from my_dataset import MyDataSet
 from utils import (STARTED_FROM, DataError, FolderScan, default_demo_root, find_run_file,
                    get_transforms, make_demo_data, missing_glyphs_ignored, path_flag,
-                   plot_class_distribution, run_args_near, same_bytes, scan_image_folder,
-                   short_list, split_key, split_train_val, write_json_atomic)
+                   label_by_class_name, plot_class_distribution, run_args_near, same_bytes,
+                   scan_image_folder, short_list, split_key, split_train_val, write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -153,6 +153,11 @@ def get_args_parser(add_help: bool = True, launcher: str = "launch") -> argparse
     data.add_argument("--val-rate", type=FRACTION, default=0.2,
                       help="fraction of each class held out for validation (with --eval-only, 1 "
                            "scores every image of --data-path, e.g. a separate test folder)")
+    data.add_argument("--val-path", type=path_flag, default=None,
+                      help="a separate validation folder, its class folders named as in "
+                           "--data-path (an already split data set's val/): all of --data-path "
+                           "trains and --val-rate is not used; with --eval-only, the folder "
+                           "scored")
     data.add_argument("--img-size", type=POSITIVE_INT, default=224, help="training/validation crop size")
     data.add_argument("--num-classes", "--num_classes", type=POSITIVE_INT, default=None,
                       help="number of classes (default: the number of class folders)")
@@ -847,9 +852,11 @@ def _warn_if_shm_small(args: argparse.Namespace, workers: int, device: torch.dev
 
 
 def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
-                ) -> tuple[FolderScan, MyDataSet, MyDataSet, DistributedSampler, DataLoader,
-                           DataLoader]:
-    root = args.data_path
+                ) -> tuple[FolderScan, FolderScan | None, MyDataSet, MyDataSet,
+                           DistributedSampler, DataLoader, DataLoader]:
+    """Scan, split and load. The second scan is that of a separate --val-path folder when
+    training (None without one); an evaluation scans only the folder it scores."""
+    root = args.val_path if args.eval_only and args.val_path else args.data_path
     if root is None:
         demo = args.demo_dir or default_demo_root()
         try:
@@ -863,6 +870,11 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
     scan = _scan_on_rank0(root, args.verify_images, info, 1 if args.eval_only else 2)
     if info.is_main:
         log.info(scan.summary())
+    val_scan = None
+    if args.val_path and not args.eval_only:
+        val_scan = _scan_on_rank0(args.val_path, args.verify_images, info, 1)
+        if info.is_main:
+            log.info(val_scan.summary())
 
     num_classes = len(scan.classes)
     # Evaluation may score a folder holding some of the model's classes (checked once known).
@@ -871,8 +883,14 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
         raise ConfigError(f"--num-classes {args.num_classes} disagrees with the {num_classes} class "
                           f"folders found in {root} ({', '.join(scan.classes)}); drop the flag "
                           "or fix the folders.")
-    train_p, train_y, val_p, val_y, warnings = split_train_val(
-        scan.images, args.val_rate, args.seed, scan.classes, root=scan.root)
+    if val_scan is not None:  # an already split data set: all of --data-path trains
+        train_p = [path for paths in scan.images for path in paths]
+        train_y = [label for label, paths in enumerate(scan.images) for _ in paths]
+        val_p, val_y, warnings = label_by_class_name(scan.classes, val_scan, scan.root)
+    else:
+        val_rate = 1.0 if args.eval_only and args.val_path else args.val_rate
+        train_p, train_y, val_p, val_y, warnings = split_train_val(
+            scan.images, val_rate, args.seed, scan.classes, root=scan.root)
     for warning in warnings if info.is_main else ():  # same split on every rank: say it once
         log.warning(warning)
     if not val_p:
@@ -914,7 +932,7 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
              "" if args.eval_only else f"{len(train_set)} training / ", len(val_set), num_classes,
              "no" if not workers else workers if args.eval_only
              else f"{workers} training + {workers} validation")
-    return scan, train_set, val_set, train_sampler, train_loader, val_loader
+    return scan, val_scan, train_set, val_set, train_sampler, train_loader, val_loader
 
 
 @contextlib.contextmanager
@@ -936,8 +954,9 @@ def _cpu_has_native_bf16() -> bool:
         return False
 
 
-def _write_run_files(out: Path, scan: FolderScan, fresh: bool, weights: str | None) -> None:
-    """Rank 0, once the run is known to be valid: what the data scan found, kept with the run.
+def _write_run_files(out: Path, scan: FolderScan, val_scan: FolderScan | None, fresh: bool,
+                     weights: str | None) -> None:
+    """Rank 0, once the run is known to be valid: what the data scans found, kept with the run.
     ``fresh``: no checkpoint is continued; an earlier run's record of itself is copied into
     ``.previous-run`` first, so that putting it back restores it whole (:func:`_write_start_files`)
     and a ``--weights`` file this run would save over is kept (:func:`_keep_start_weights`)."""
@@ -951,9 +970,9 @@ def _write_run_files(out: Path, scan: FolderScan, fresh: bool, weights: str | No
         if fresh:
             _keep_start_weights(out, weights)
         skipped = out / "skipped_files.txt"
-        if scan.skipped:  # nothing is lost silently: the full list stays with the run
-            skipped.write_text("".join(f"{p}\t{why}\n" for p, why in scan.skipped),
-                               encoding="utf-8")
+        listed = scan.skipped + (val_scan.skipped if val_scan else [])
+        if listed:  # nothing is lost silently: the full list stays with the run
+            skipped.write_text("".join(f"{p}\t{why}\n" for p, why in listed), encoding="utf-8")
         else:
             skipped.unlink(missing_ok=True)  # a list from an earlier scan would mislead
         write_json_atomic(out / "class_indices.json",
@@ -1212,6 +1231,8 @@ def _warn_if_split_differs(source: Any, args: argparse.Namespace) -> None:
     """Weights trained on these classes with another split have seen some of this run's
     validation images: its accuracy would be optimistic. Bare weights are judged by their run's
     args.json."""
+    if args.val_path:  # validation on a folder of its own: no split to overlap
+        return
     if _is_checkpoint(source):
         saved, old = source.get("args", {}), _old_split(source)
     else:
@@ -1450,8 +1471,14 @@ def _nfc(names: list[str] | None) -> list[str] | None:
 
 
 def _redrawn(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    """``--seed``/``--val-rate`` that differ from ``saved`` (a run's args): each draws another
-    split, so validation would include images that run trained on."""
+    """``--seed``/``--val-rate``/``--val-path`` that differ from ``saved`` (a run's args): each
+    draws another split, so validation would include images that run trained on. A separate
+    --val-path folder draws none (which files it holds, the split digest compares); leaving it
+    out validates on a split of what that run trained on, all of --data-path."""
+    if args.val_path:
+        return []
+    if saved.get("val_path"):
+        return [f"--val-path {saved['val_path']}"]
     return [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
             for k in ("seed", "val_rate") if k in saved and saved[k] != getattr(args, k)]
 
@@ -1481,6 +1508,14 @@ def _check_split(ckpt: dict[str, Any], path: str, args: argparse.Namespace, *, w
                     "with to score it on its own validation images.", path, ", ".join(redrawn))
     elif redrawn or val_split is None or ckpt.get("val_split") == val_split:
         return
+    elif args.val_path:
+        if warn and args.eval_only:
+            log.info("scoring every image of %s (should it hold images %s trained on, the "
+                     "accuracy is optimistic).", args.val_path, path)
+        elif warn:
+            log.warning("the validation images differ from those %s was validated on (another "
+                        "or a changed --val-path folder): val accuracy is not comparable with "
+                        "earlier epochs.", path)
     elif _old_split(ckpt):
         old = (f"{path} was made by an earlier version of this template, which drew the "
                "validation split another way, so validation would include images it trained on")
@@ -1695,7 +1730,7 @@ def _jsonable(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 
 # Flags that may differ between machines: where the data and the run's folder are, and what
 # only rank 0 does. (--resume and --weights decide which collectives a rank makes: not these.)
-PER_MACHINE_FLAGS = frozenset({"data_path", "demo_dir", "output_dir", "workers", "local_rank",
+PER_MACHINE_FLAGS = frozenset({"data_path", "val_path", "demo_dir", "output_dir", "workers", "local_rank",
                                "node_rank", "dist_url", "dist_timeout", "device",
                                "verify_images", "tensorboard", "keep_last"})
 
@@ -1721,6 +1756,14 @@ def _check_same_flags(args: argparse.Namespace, info: DistInfo) -> None:
                           "training flags.")
 
 
+def _inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """``path`` is ``folder`` or below it, links resolved."""
+    try:
+        return Path(path).resolve().is_relative_to(Path(folder).resolve())
+    except (OSError, RuntimeError):  # a symbolic link loop: named by the checks that follow
+        return False
+
+
 def _run(args: argparse.Namespace, info: DistInfo) -> None:
     global _set_up
     _check_same_flags(args, info)
@@ -1732,16 +1775,18 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                           "one.")
     out = Path(args.output_dir)
     data_root = Path(args.data_path or args.demo_dir or default_demo_root())
-    try:
-        inside = out.resolve().is_relative_to(data_root.resolve())
-    except (OSError, RuntimeError):  # a symbolic link loop: named by the checks that follow
-        inside = False
-    if not args.eval_only and inside:
-        # The next scan would find the run's folder as one more class (its PNGs as images).
-        raise ConfigError(f"--output-dir {out} is inside the data folder {data_root}, where its "
-                          "files would be read as images of a class; choose an output folder "
-                          "outside it.")
-    if args.val_rate >= 1 and not args.eval_only:
+    if not args.eval_only:
+        for folder in filter(None, (data_root, args.val_path)):
+            if _inside(out, folder):  # the next scan would read the run's PNGs as a class
+                raise ConfigError(f"--output-dir {out} is inside the data folder {folder}, where "
+                                  "its files would be read as images of a class; choose an "
+                                  "output folder outside it.")
+        if args.val_path and (_inside(args.val_path, data_root)
+                              or _inside(data_root, args.val_path)):
+            raise ConfigError(f"--val-path {args.val_path} and --data-path {data_root} overlap, "
+                              "so the model would train on images it is validated on; give "
+                              "two separate folders (e.g. DATA/train and DATA/val).")
+    if args.val_rate >= 1 and not args.eval_only and not args.val_path:
         raise ConfigError("--val-rate 1 leaves no image for training; it is for --eval-only "
                           "(score every image of a test folder), else use a fraction below 1.")
     if not args.eval_only:  # evaluation writes nothing
@@ -1768,7 +1813,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
         torch.set_num_threads(cpus_per_process())
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest
-    scan, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(args, info, out)
+    scan, val_scan, train_set, val_set, train_sampler, train_loader, val_loader = _build_data(
+        args, info, out)
     # Every rank reads the model files itself: one machine's copy may be damaged or unreadable,
     # and its ranks stopping alone would leave the others waiting in the next collective.
     problem = None
@@ -1786,7 +1832,7 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                     f"folders found in {scan.root} ({', '.join(classes)}); drop the flag or fix "
                     "the folders.")
         num_classes = len(classes)
-        val_split = _split_digest(scan.root, val_set.images_path)
+        val_split = _split_digest((val_scan or scan).root, val_set.images_path)
         # A resumed run's weights come from its checkpoint: --weights only started it, and may
         # be gone by now (a scratch file, a relative path from another folder) without
         # stopping a rerun.
@@ -1813,7 +1859,8 @@ def _run(args: argparse.Namespace, info: DistInfo) -> None:
                                   "on, or use another --output-dir.")
         model.load_state_dict(state)
     if not args.eval_only:
-        _check_on_rank0(_write_run_files, out, scan, ckpt is None, args.weights, info=info)
+        _check_on_rank0(_write_run_files, out, scan, val_scan, ckpt is None, args.weights,
+                        info=info)
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     model_without_ddp = model

@@ -373,10 +373,12 @@ def _check_class_names(root: str, class_names: list[str]) -> None:
     train = lowered.get("train", lowered.get("training"))
     # A train/ of class folders beside val/ or test/ (even an unlabelled test/ of loose images).
     if set(lowered) <= SPLIT_NAMES and len(lowered) > 1 and train and has_sub_folders(train):
+        val = next((lowered[n] for n in ("val", "valid", "validation") if n in lowered), None)
+        use = (f"--data-path {os.path.join(root, train)} --val-path {os.path.join(root, val)}"
+               if val and has_sub_folders(val) else f"--data-path {os.path.join(root, train)} "
+               "(this template holds out --val-rate of it for validation)")
         raise DataError(f"data path {root} holds {', '.join(class_names)}, which look like the "
-                        "parts of a data set that is already split, not classes; pass "
-                        f"--data-path {os.path.join(root, train)} (this template holds out "
-                        "--val-rate of it for validation).")
+                        f"parts of a data set that is already split, not classes; pass {use}.")
     seen: dict[str, str] = {}
     for name in class_names:
         other = seen.setdefault(unicodedata.normalize("NFC", name), name)
@@ -444,6 +446,29 @@ def split_train_val(images: Sequence[Sequence[str]], val_rate: float, seed: int 
         warnings.append(f"{len(no_train)} class(es) got no training image, all theirs went to "
                         f"validation: {short_list(no_train)}; add images or lower --val-rate")
     return train_p, train_y, val_p, val_y, warnings
+
+
+def label_by_class_name(classes: Sequence[str], val: FolderScan, train_root: str
+                        ) -> tuple[list[str], list[int], list[str]]:
+    """The images of a separate validation folder (an already split data set's ``val/``),
+    labelled by the index of their class folder's name in ``classes`` (the training classes).
+    Returns paths, labels and warnings (training classes it has no image of). A class the
+    training data lacks is a :class:`DataError`: the model has no output for it."""
+    unknown = [c for c in val.classes if c not in classes]
+    if unknown:
+        raise DataError(f"validation folder {val.root} has class folder(s) that --data-path "
+                        f"{train_root} lacks: {short_list(unknown)}; the model has no output for "
+                        "them, so name each class folder as in the training data, or remove "
+                        "those.")
+    index = {name: i for i, name in enumerate(classes)}
+    paths, labels = [], []
+    for name, images in zip(val.classes, val.images):
+        paths += images
+        labels += [index[name]] * len(images)
+    absent = [c for c in classes if c not in val.classes]
+    return paths, labels, [
+        f"{len(absent)} class(es) have no image in the validation folder {val.root}, so their "
+        f"accuracy is not measured: {short_list(absent)}"] if absent else []
 
 
 def short_list(items: Sequence[str], n: int = 10) -> str:

@@ -441,13 +441,19 @@ def test_a_data_set_already_split_into_train_and_val_is_refused(tmp_path):
         scan_image_folder(str(root))
     assert str(err.value) == (
         f"data path {root} holds train, val, which look like the parts of a data set that is "
-        f"already split, not classes; pass --data-path {root / 'train'} (this template holds "
-        "out --val-rate of it for validation).")
+        f"already split, not classes; pass --data-path {root / 'train'} --val-path "
+        f"{root / 'val'}.")
     write_jpeg(root / "test.jpg", 9)
     (root / "test").mkdir()  # an unlabelled test/ of loose images beside them
     write_jpeg(root / "test" / "0.jpg", 8)
     with pytest.raises(DataError, match=r"holds test, train, val, which look like the parts"):
         scan_image_folder(str(root))
+    shutil.rmtree(root / "val")  # no labelled validation folder: hold out part of train/
+    with pytest.raises(DataError) as err:
+        scan_image_folder(str(root))
+    assert str(err.value).endswith(f"already split, not classes; pass --data-path "
+                                   f"{root / 'train'} (this template holds out --val-rate of it "
+                                   "for validation).")
     make_class(tmp_path / "flat" / "test", 2, 1)  # a class that happens to be called "test"
     make_class(tmp_path / "flat" / "val", 2, 2)
     assert scan_image_folder(str(tmp_path / "flat")).classes == ["test", "val"]
@@ -620,6 +626,37 @@ def test_build_data_rejects_empty_val_split_and_too_few_images(tmp_path):
     with pytest.raises(DataError, match=r"7 training images are fewer than world size 2 x "
                                         r"batch size 4 = 8"):
         _build_data(args, DistInfo(world_size=2), tmp_path / "out")
+
+
+def test_a_separate_validation_folder_is_labelled_by_class_name(tmp_path, caplog):
+    """--val-path: every --data-path image trains; the validation folder's images take the
+    index of their class's name among the training classes, whichever of them it holds."""
+    train = tmp_path / "train"
+    for name, n in (("apple", 3), ("fig", 4), ("kiwi", 5)):
+        make_class(train / name, n, n)
+    val = tmp_path / "val"
+    make_class(val / "fig", 2, 7)
+    make_class(val / "kiwi", 3, 8)  # no apple: the first class, so its own index would be off
+    (val / "kiwi" / "notes.txt").write_text("junk")
+    args = get_args_parser().parse_args(["--data-path", str(train), "--val-path", str(val),
+                                         *TINY_FLAGS, "--output-dir", str(tmp_path / "out")])
+    scan, val_scan, train_set, val_set, *_ = _build_data(args, DistInfo(), tmp_path / "out")
+    assert scan.classes == ["apple", "fig", "kiwi"] and val_scan.skipped == [
+        (str(val / "kiwi" / "notes.txt"), "not an image extension")]
+    assert sorted(train_set.images_path) == sorted(str(p) for p in train.glob("*/*.jpg"))
+    labels = {Path(p).relative_to(val).as_posix(): int(y)
+              for p, y in zip(val_set.images_path, val_set.images_class)}
+    assert labels == {"fig/00.jpg": 1, "fig/01.jpg": 1,
+                      "kiwi/00.jpg": 2, "kiwi/01.jpg": 2, "kiwi/02.jpg": 2}
+    assert (f"1 class(es) have no image in the validation folder {val}, so their accuracy is "
+            "not measured: apple") in caplog.messages
+
+    make_class(val / "Apple", 1, 9)  # a name the training data lacks (here: by case)
+    with pytest.raises(DataError) as err:
+        _build_data(args, DistInfo(), tmp_path / "out")
+    assert str(err.value) == (f"validation folder {val} has class folder(s) that --data-path "
+                              f"{train} lacks: Apple; the model has no output for them, so name "
+                              "each class folder as in the training data, or remove those.")
 
 
 # ---------------------------------------------------------------- checks and decoding

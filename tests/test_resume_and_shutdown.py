@@ -1876,10 +1876,47 @@ def test_resume_on_changed_data_warns_that_validation_moved(run_a, tmp_path, tin
             "val accuracy is not comparable with earlier epochs. Added or removed images move no "
             "other file across the split") in err
     after = _build_data(get_args_parser().parse_args(flags(data, out)), DistInfo(), out)
-    trained, validated = (set(before[i].images_path) for i in (1, 2))
-    new_val = set(after[2].images_path)
+    trained, validated = (set(before[i].images_path) for i in (2, 3))
+    new_val = set(after[3].images_path)
     # Only added files joined validation (seed 0's hash puts some of the 12 in it).
     assert new_val > validated and not new_val & trained
+
+
+def test_an_already_split_data_set_trains_and_is_scored_with_val_path(tmp_path, tiny_data,
+                                                                      train_here):
+    """--val-path: two ranks train on every --data-path image and validate on the folder,
+    labelled by class name (it holds 2 of the 5 classes); its junk is listed with the run's. A
+    resume must keep it: without it, validation would be a split of images the run trained
+    on. --eval-only --val-path scores the folder against all the model's classes."""
+    val, out = tmp_path / "val", tmp_path / "out"
+    for name, n in (("tulips", 3), ("daisy", 2)):  # daisy is class 0, tulips class 4
+        (val / name).mkdir(parents=True)
+        for image in sorted((tiny_data / name).iterdir())[:n]:
+            shutil.copy(image, val / name / image.name)
+    (val / "daisy" / "notes.txt").write_text("junk")
+    res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--val-path", str(val),
+                                             "--epochs", "1")))
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-4000:]
+    assert text.count("60 training / 5 validation images, 5 classes") == 1, text[-4000:]
+    assert text.count(f"3 class(es) have no image in the validation folder {val}") == 1
+    assert (out / "skipped_files.txt").read_text(encoding="utf-8") == (
+        f"{val / 'daisy' / 'notes.txt'}\tnot an image extension\n")
+    assert load_ckpt(out / "checkpoint.pth")["args"]["val_path"] == str(val)
+
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    assert code == 2 and (f"error: {out / 'checkpoint.pth'} was trained with --val-path {val}: "
+                          "another value draws another train/validation split") in err, err[-3000:]
+    code, err = train_here([*TINY_FLAGS, "--eval-only", "--resume", str(out / "checkpoint.pth"),
+                            "--val-path", str(val)])
+    assert code == 0, err[-3000:]
+    assert "val images: 5" in err and re.search(r"  daisy: \d\.\d{4} \(2 images\)\n", err)
+    assert re.search(r"  tulips: \d\.\d{4} \(3 images\)\n", err), err[-2000:]
+    assert "  roses: n/a (no validation images)" in err
+    inner = tiny_data / "daisy"
+    code, err = train_here(flags(tiny_data, tmp_path / "o2", "--val-path", str(inner)))
+    assert code == 2 and (f"error: --val-path {inner} and --data-path {tiny_data} overlap, so "
+                          "the model would train on images it is validated on") in err, err[-2000:]
 
 
 @pytest.mark.parametrize("made", ["unprefixed", "unrecorded"])
@@ -2654,11 +2691,11 @@ def test_each_rank_trains_on_its_own_share(tmp_path, tiny_data, monkeypatch):
     # Rank 1 is handed rank 0's scan, as the broadcast of a real process group would.
     monkeypatch.setattr(train_common, "_scan_on_rank0", lambda *a: rank0[0])
     rank1 = _build_data(args, DistInfo(rank=1, world_size=2), tmp_path / "out")
-    train_set = rank0[1]
-    assert list(rank1[1].images_path) == list(train_set.images_path)  # one split for both
+    train_set = rank0[2]
+    assert list(rank1[2].images_path) == list(train_set.images_path)  # one split for both
     for epoch in (0, 1):
         shares = []
-        for _, _, _, sampler, loader, _ in (rank0, rank1):
+        for *_, sampler, loader, _ in (rank0, rank1):
             sampler.set_epoch(epoch)
             shares.append([i for batch in loader.batch_sampler for i in batch])
         assert len(shares[0]) == len(shares[1]) == len(train_set) // 8 * 4  # full batches of 4
