@@ -162,7 +162,12 @@ def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Ten
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
         raise CheckpointError(f"{path} holds no model state dict (expected a dict of tensors or a "
                               "checkpoint with a 'model' entry).")
-    return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in obj.items()}
+    # A wrapper (DDP's "module.", torch.compile's "_orig_mod.") prefixes every key; a model's
+    # own submodule called "module" prefixes only its own, and keeps its name.
+    prefix = re.compile(r"(module\.|_orig_mod\.)")
+    while all(prefix.match(k) for k in obj):
+        obj = {prefix.sub("", k, count=1): v for k, v in obj.items()}
+    return dict(obj)
 
 
 def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, source: Any = None,
@@ -171,6 +176,7 @@ def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, source: 
     classifier head), except names starting with ``leave_out``; ``source``: the file's content
     when already loaded. Returns (skipped keys of the file, model keys left as initialised)."""
     state = extract_state_dict(load_file(path) if source is None else source, path)
+    model = unwrap(model)  # the file's names are the bare model's
     own = model.state_dict()
     fitting = {k: v for k, v in state.items()
                if k in own and own[k].shape == v.shape and not k.startswith(leave_out)}

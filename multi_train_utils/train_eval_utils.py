@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import math
+import numbers
 import sys
 import time
 from collections.abc import Callable
@@ -106,8 +107,9 @@ def _autocast(device: torch.device, amp_dtype: torch.dtype | None):
 
 
 def _inputs_and_labels(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A loader's batch as ``(inputs, labels)``, class indices as int64 (``CrossEntropyLoss``
-    refuses int32, which numpy labels often are)."""
+    """A loader's batch as ``(inputs, labels)``: class indices as int64 (``CrossEntropyLoss``
+    refuses int32, which numpy labels often are), class probabilities ``(N, C)`` as float
+    (``F.one_hot`` gives int64)."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         what = (f"a dict with keys {', '.join(map(str, batch))}" if isinstance(batch, dict) else
                 f"{len(batch)} items" if isinstance(batch, (tuple, list)) else
@@ -115,11 +117,48 @@ def _inputs_and_labels(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tens
         raise TypeError(f"{where} takes batches of (inputs, labels), got {what}; give the "
                         "DataLoader a collate_fn that returns (inputs, labels).")
     images, labels = batch
+    if not torch.is_tensor(images) or not torch.is_tensor(labels):
+        raise TypeError(f"{where} takes (inputs, labels) as tensors, got "
+                        f"({type(images).__name__}, {type(labels).__name__}); return tensors "
+                        "from the dataset (class indices as integers), so the default collate "
+                        "stacks them.")
+    if labels.dim() == 2 and labels.shape[1] == 1 or labels.dim() not in (1, 2):
+        raise ValueError(f"{where} takes class indices (N,) or class probabilities (N, C), got "
+                         f"labels of shape {tuple(labels.shape)}; for indices, flatten them "
+                         "(labels.view(-1)); one value per sample to regress needs a loop with "
+                         "your own loss.")
     if labels.is_floating_point() and labels.dim() == 1:  # (N,) floats: indices in the wrong dtype
         raise TypeError(f"{where} takes class indices as integers, got {labels.dtype} labels of "
                         f"shape {tuple(labels.shape)}; convert them with .long() (class "
                         "probabilities are (N, C)).")
-    return images, labels if labels.is_floating_point() else labels.long()
+    return images, labels.long() if labels.dim() == 1 else labels.float()
+
+
+def _check_probabilities(labels: torch.Tensor) -> None:
+    """Soft labels must be distributions: multi-hot rows (a multi-label task) or negative values
+    would train softmax cross-entropy on a target it cannot mean, silently."""
+    sums = labels.sum(1)
+    if not bool((labels >= 0).all() & ((sums - 1).abs() < 1e-3).all()):
+        raise ValueError(f"train_one_epoch takes (N, C) labels as class probabilities (each row "
+                         f">= 0, summing to 1), but its row sums range over [{sums.min().item():.4g}, "
+                         f"{sums.max().item():.4g}] and its smallest value is "
+                         f"{labels.min().item():.4g}; a "
+                         "multi-label task (several 1s per row) needs a loop with its own loss, "
+                         "e.g. BCEWithLogitsLoss.")
+
+
+def _logits(output: Any, where: str) -> torch.Tensor:
+    """The model's output, which the cross-entropy of both loops needs as logits ``(N, C)``."""
+    if not torch.is_tensor(output):
+        raise TypeError(f"{where} needs the model to return one logits tensor (N, C), got a "
+                        f"{type(output).__name__}; wrap the model in a module that returns the "
+                        "logits alone (e.g. its output[0] or output['logits']).")
+    if output.dim() != 2 or output.shape[1] < 2:
+        raise ValueError(f"{where} trains and scores a classifier with cross-entropy, which "
+                         f"needs logits (N, C) for C >= 2 classes, but the model returned "
+                         f"{tuple(output.shape)}; for one output per sample (binary, "
+                         "regression) use 2 classes or a loop with your own loss.")
+    return output.float()
 
 
 def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -131,17 +170,30 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                     log_fn: Callable[[int, float, float], Any] | None = None) -> float:
     """One pass over ``data_loader``; returns the mean loss over every rank's samples.
 
+    The model returns logits ``(N, C)``; the loss is cross-entropy. Class probabilities as labels
+    are checked to be ``>= 0`` and sum to 1 in the first batch only (a check syncs the host).
+    ``data_loader`` needs a length (a map-style dataset, or an ``IterableDataset`` with
+    ``__len__``): it sets the last accumulation group and the progress.
     ``grad_accum_steps`` K: the optimizer steps every K batches (and after the last), and DDP
     skips its gradient all-reduce on the other K-1 (``no_sync``). ``log_fn(step, loss, lr)`` is
     called on every rank every ``print_freq`` steps with the reduced running mean loss.
-    Progress: a tqdm bar on rank 0 in a terminal; where stdout is a file (SLURM, nohup), a log
-    line every ``print_freq`` steps instead, since a bar there is one endless ``\r`` line.
+    Progress: a tqdm bar on rank 0 in a terminal; where stdout is a file (SLURM, nohup), a
+    ``logging`` INFO line every ``print_freq`` steps instead, since a bar there is one endless
+    ``\r`` line (configure logging to see them, e.g. ``logging.basicConfig(level=logging.INFO)``).
     """
+    for name, value in (("grad_accum_steps", grad_accum_steps), ("print_freq", print_freq)):
+        if not (isinstance(value, numbers.Integral) and value >= 1):
+            raise ValueError(f"train_one_epoch: {name} must be an integer >= 1, got {value!r}.")
+    try:
+        steps = len(data_loader)
+    except TypeError:  # an IterableDataset without __len__
+        raise TypeError("train_one_epoch needs a data loader with a length, to know the last "
+                        "accumulation group and the progress; give the IterableDataset a "
+                        "__len__ (its batches per rank, the same on every rank).") from None
     model.train()
     loss_function = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     count = torch.zeros((), device=device, dtype=torch.float64)
-    steps = len(data_loader)
     mean_loss = float("nan")
     optimizer.zero_grad(set_to_none=True)
 
@@ -155,6 +207,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         seen += labels.shape[0]
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)
+        if step == 0 and labels.is_floating_point():
+            _check_probabilities(labels)
         # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
         n_valid = (torch.full((), labels.shape[0], device=device)  # filled there: no copy
                    if labels.is_floating_point() else (labels != IGNORE_INDEX).sum())
@@ -166,7 +220,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                 output = model(images)
             # Sum over valid samples / their count == mean, but stays finite for a batch whose
             # every image was unreadable.
-            loss = loss_function(output.float(), labels) / n_valid.clamp(min=1)
+            loss = (loss_function(_logits(output, "train_one_epoch"), labels)
+                    / n_valid.clamp(min=1))
             # Mean over the micro-batches of this optimizer step; the last group of an epoch
             # whose length K does not divide is shorter, and a fixed / K would shrink its step.
             group_start = step - step % grad_accum_steps
@@ -326,7 +381,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
         seen += size
         with _autocast(device, amp_dtype):
             logits = model(images)
-        logits = logits.float()
+        logits = _logits(logits, "evaluate")
         num_classes = logits.shape[1]
         if confusion is None:
             confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.int64)

@@ -20,6 +20,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -715,7 +716,8 @@ def test_soft_and_int32_labels_train_as_their_cross_entropy():
     with torch.no_grad():
         want = F.cross_entropy(model(images), labels).item()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the loss of these weights
-    for targets in (F.one_hot(labels, 4).float(), labels.int(), labels):
+    # F.one_hot gives int64 rows: probabilities all the same
+    for targets in (F.one_hot(labels, 4).float(), F.one_hot(labels, 4), labels.int(), labels):
         loader = DataLoader(TensorDataset(images, targets), batch_size=5)
         got = train_one_epoch(model, optimizer, loader, CPU, 0)
         assert got == pytest.approx(want, rel=1e-5), targets.dtype
@@ -774,6 +776,64 @@ def test_batches_evaluate_cannot_use_are_one_sentence():
                                          r"normalise with mean/std, but this batch is "
                                          r"\(3, 1, 6, 6\)"):
         evaluate(model, gray, CPU)
+
+
+class _Pair(nn.Module):  # a model that returns (logits, features), as many do
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_net(4, bn=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.net(x), x
+
+
+class _Unsized(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(3, 6, 6), 0)] * 4)
+
+
+@pytest.mark.parametrize("case", ["labels (N, 1)", "model returns a tuple", "one logit",
+                                  "multi-hot labels", "negative accumulation", "print_freq 0",
+                                  "no length", "string labels"])
+def test_what_the_loop_cannot_train_is_one_sentence_not_a_wrong_loss(case):
+    """Each of these trained silently wrong (a regression target: loss 0; multi-hot: softmax
+    cross-entropy; grad_accum_steps -1: gradient ascent) or failed deep inside torch."""
+    gen = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(8, 3, 6, 6, generator=gen), torch.randint(0, 4, (8,),
+                                                                         generator=gen)
+    model, kwargs = tiny_net(4, bn=False), {}
+    data: Any = TensorDataset(images, labels)
+    error, message = ValueError, None
+    if case == "labels (N, 1)":
+        data = TensorDataset(images, labels[:, None].float())
+        message = (r"takes class indices \(N,\) or class probabilities \(N, C\), got labels of "
+                   r"shape \(4, 1\); for indices, flatten them")
+    elif case == "model returns a tuple":
+        model, error = _Pair(), TypeError
+        message = r"needs the model to return one logits tensor \(N, C\), got a tuple"
+    elif case == "one logit":
+        model = tiny_net(1, bn=False)
+        message = (r"needs logits \(N, C\) for C >= 2 classes, but the model returned \(4, 1\); "
+                   r"for one output per sample \(binary, regression\)")
+    elif case == "multi-hot labels":
+        data = TensorDataset(images, (torch.rand(8, 4, generator=gen) > 0.3).float())
+        message = (r"takes \(N, C\) labels as class probabilities \(each row >= 0, summing to "
+                   r"1\), but its row sums range over \[[0-4], [2-4]\].*BCEWithLogitsLoss")
+    elif case in ("negative accumulation", "print_freq 0"):
+        name, value = ("grad_accum_steps", -1) if case[0] == "n" else ("print_freq", 0)
+        kwargs = {name: value}
+        message = rf"^train_one_epoch: {name} must be an integer >= 1, got {value}\.$"
+    elif case == "no length":
+        data, error = _Unsized(), TypeError
+        message = r"needs a data loader with a length.*give the IterableDataset a __len__"
+    else:
+        data, error = [(image, "cat") for image in images], TypeError
+        message = r"takes \(inputs, labels\) as tensors, got \(Tensor, tuple\)"
+    before = flat_state(model)
+    with pytest.raises(error, match=message):
+        train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        DataLoader(data, batch_size=4), CPU, 0, **kwargs)
+    assert torch.equal(flat_state(model), before)  # refused before any step
 
 
 def test_eval_result_survives_copy_and_pickle():

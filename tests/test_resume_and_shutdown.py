@@ -33,8 +33,8 @@ import torch.nn as nn
 
 from conftest import ROOT, TINY_FLAGS, child_env, run, torchrun_cmd
 from model import get_model
-from multi_train_utils.checkpoint import (CheckpointError, load_file, prune_weights, save_atomic,
-                                          to_cpu, unwrap)
+from multi_train_utils.checkpoint import (CheckpointError, load_file, load_matching_weights,
+                                          prune_weights, save_atomic, to_cpu, unwrap)
 from multi_train_utils.distributed_utils import DistInfo, find_free_port
 from train_common import _build_data, get_args_parser
 from utils import find_run_file
@@ -345,6 +345,24 @@ def test_unwrap_removes_wrappers_not_a_models_own_module():
     assert unwrap(holder) is holder  # its state dict keeps the "module." keys it owns
     assert unwrap(nn.DataParallel(holder)) is holder
     assert unwrap(torch.compile(holder)) is holder
+
+
+def test_weights_load_by_the_bare_models_names_whatever_wraps_either_side(tmp_path):
+    """Only a prefix every key shares is a wrapper's: a model's own submodule called "module"
+    loads into itself; and a wrapped model takes the bare names a file holds."""
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module, self.head = nn.Linear(4, 2), nn.Linear(2, 2)
+
+    saved = Holder()
+    save_atomic(saved.state_dict(), tmp_path / "w.pth")
+    save_atomic({f"_orig_mod.module.{k}": v for k, v in saved.state_dict().items()},
+                tmp_path / "wrapped.pth")  # as torch.compile(DDP(model)).state_dict() names them
+    for file, into in (("w.pth", Holder()), ("wrapped.pth", Holder()),
+                       ("w.pth", torch.compile(Holder()))):
+        assert load_matching_weights(into, tmp_path / file) == ([], []), file
+        assert torch.equal(unwrap(into).module.weight, saved.module.weight), file
 
 
 def test_a_checkpoint_that_cannot_be_read_says_why(tmp_path, monkeypatch):
