@@ -8,6 +8,7 @@ Copy the ``multi_train_utils/`` folder next to your script; then swap in your ow
 """
 
 import argparse
+import logging
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,9 @@ def make_dataset(size: int, seed: int) -> TensorDataset:
 
 
 def main(args: argparse.Namespace) -> None:
+    # The loops log a progress line every print_freq steps where stdout is not a terminal
+    # (SLURM, nohup: a tqdm bar there is one endless line); without this they are dropped.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     # torchrun/SLURM variables, or one process without them; args is left alone
     info = init_distributed_mode(device=args.device)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(info.device)

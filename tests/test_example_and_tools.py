@@ -48,6 +48,9 @@ def test_example_trains_with_torchrun_two_processes():
     res = run(torchrun_cmd(2, EXAMPLE, "--device", "cpu", "--epochs", "3"), timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     _check_learned(_epoch_lines(res.stdout), epochs=3)
+    # stdout is a pipe here, as under SLURM: progress comes as log lines, rank 0's only
+    # (4096 samples / 2 ranks / batch 64 = 32 steps, a line every 50 and at the last).
+    assert re.findall(r"\[train epoch (\d)\] step 32/32 ", res.stderr) == ["0", "1", "2"]
 
 
 def test_multi_train_utils_and_example_work_copied_alone(tmp_path):
