@@ -268,8 +268,9 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     """Create the default process group if a launcher started us; return where we are.
 
     ``args`` (optional, as in the classic template) supplies ``device``, ``dist_url`` and
-    ``dist_timeout`` when the keywords are not given. Backend follows the device: NCCL for CUDA,
-    gloo for CPU. ``timeout_s`` bounds every collective, so a dead peer ends in an error instead
+    ``dist_timeout`` when the keywords are not given. ``device``: ``auto``, ``cpu``, ``cuda`` or
+    ``cuda:N`` (GPU N for one process; under a launcher each process takes the GPU of its local
+    rank). Backend follows the device: NCCL for CUDA, gloo for CPU. ``timeout_s`` bounds every collective, so a dead peer ends in an error instead
     of a silent hang.
 
     Scripts written for the classic template call ``init_distributed_mode(args)`` and then read
@@ -293,11 +294,29 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
     return info
 
 
+def _parse_device(device: str) -> tuple[str, int | None]:
+    """``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` as (kind, index or None)."""
+    kind, colon, index = device.partition(":")
+    if kind in ("auto", "cpu", "cuda") and not colon or kind == "cuda" and index.isdigit():
+        return kind, int(index) if colon else None
+    raise ValueError(f"device {device!r} is not one of auto, cpu, cuda or cuda:N (the backend "
+                     "follows it: NCCL on CUDA, gloo on CPU).")
+
+
 def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
+    device, index = _parse_device(device)
     env = _read_env()
-    if env is None:
-        return DistInfo(device=_pick_device(device, 0))
+    if env is None:  # one process: cuda:N is GPU N
+        if index is not None and torch.cuda.is_available() and index >= torch.cuda.device_count():
+            raise LaunchError(f"--device cuda:{index} was asked for, but only "
+                              f"{torch.cuda.device_count()} GPU(s) are visible "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}).")
+        return DistInfo(device=_pick_device(device, index or 0))
     rank, local_rank, world_size = env
+    if index is not None and local_rank == 0:
+        log.warning("--device cuda:%d: under a launcher each process uses the GPU of its local "
+                    "rank, so the index is not used; choose the GPUs with CUDA_VISIBLE_DEVICES.",
+                    index)
     dev = _pick_device(device, local_rank, slurm_task="RANK" not in os.environ)
     if world_size == 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return DistInfo(rank=rank, local_rank=local_rank, device=dev)
@@ -404,19 +423,22 @@ def _collective_device() -> torch.device:
 def reduce_value(value: torch.Tensor | float, average: bool = True) -> torch.Tensor:
     """Sum (or mean, with ``average``) of ``value`` over all ranks, returned on every rank.
 
-    The input is not modified. In a single process it comes back unchanged (as a tensor);
-    otherwise on the input's device, whatever device the backend reduces on (NCCL refuses a
-    CPU tensor, such as a count built with ``torch.tensor(n)``).
+    A new detached tensor on the input's device, whatever device the backend reduces on (NCCL
+    refuses a CPU tensor, such as a count built with ``torch.tensor(n)``), of the same type in
+    one process as in many: a mean of integers is float. The input is not modified. A Python
+    float is reduced in float64 (float32 would round 16777217.0).
     """
-    tensor = value if torch.is_tensor(value) else torch.tensor(value, device=_collective_device())
-    if get_world_size() < 2:
-        return tensor
+    if not torch.is_tensor(value):
+        value = torch.tensor(value, device=_collective_device(),
+                             dtype=torch.float64 if isinstance(value, float) else None)
     with torch.no_grad():
-        out = tensor.detach().to(_collective_device(), copy=True)
-        dist.all_reduce(out)
+        out = value.detach().clone()
+        if get_world_size() > 1:
+            out = out.to(_collective_device())
+            dist.all_reduce(out)
         if average:  # true division: a mean of integer counts is fractional
             out = out / get_world_size()
-    return out.to(tensor.device)
+    return out.to(value.device)
 
 
 def broadcast_object(obj: Any = None, src: int = 0) -> Any:

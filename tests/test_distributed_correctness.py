@@ -556,7 +556,10 @@ def _reduce_worker(rank: int, world: int) -> dict:
     mean = reduce_value(tensor, average=True)
     total = reduce_value(tensor, average=False)
     scalar = reduce_value(float(rank + 1), average=False)
-    return dict(mean=mean, total=total, scalar=scalar, untouched=torch.equal(tensor, original))
+    big = reduce_value(16777217.0, average=False)  # 2**24 + 1: float32 cannot hold it
+    counts = reduce_value(torch.tensor(rank + 2), average=True)  # integers: 2, 3, 4
+    return dict(mean=mean, total=total, scalar=scalar, untouched=torch.equal(tensor, original),
+                big=big, counts=counts)
 
 
 def test_reduce_value_mean_and_sum_on_every_rank(tmp_path):
@@ -564,17 +567,22 @@ def test_reduce_value_mean_and_sum_on_every_rank(tmp_path):
         assert torch.equal(got["mean"], torch.tensor([2.0, 20.0], dtype=torch.float64)), rank
         assert torch.equal(got["total"], torch.tensor([6.0, 60.0], dtype=torch.float64)), rank
         assert float(got["scalar"]) == 6.0, rank
+        assert got["big"].item() == 3 * 16777217, rank
+        assert got["counts"].item() == 3.0 and got["counts"].is_floating_point(), rank
         assert got["untouched"], f"rank {rank}: reduce_value modified its input"
 
 
 def test_reduce_value_without_process_group_returns_the_value():
     assert not dist.is_initialized()
-    tensor = torch.tensor([1.5, -2.0])
+    tensor = torch.tensor([1.5, -2.0], requires_grad=True)
     for average in (True, False):
         out = reduce_value(tensor, average=average)
         assert torch.equal(out, torch.tensor([1.5, -2.0]))
-    assert torch.equal(tensor, torch.tensor([1.5, -2.0]))
-    assert float(reduce_value(2.5)) == 2.5
+        # a new detached tensor, as with many ranks: changing it leaves the input alone
+        assert out is not tensor and not out.requires_grad
+    assert float(reduce_value(2.5)) == 2.5 and reduce_value(16777217.0).item() == 16777217
+    counts = reduce_value(torch.tensor(3), average=True)
+    assert counts.item() == 3.0 and counts.is_floating_point()  # a mean, as with many ranks
 
 
 class _InCycle:

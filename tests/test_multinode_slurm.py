@@ -891,6 +891,28 @@ def test_gpu_of_a_local_rank_under_slurm_gpu_binding(slurm_env, fake_gpus):
     assert distributed_utils._pick_device("cuda", 2, slurm_task=True) == torch.device("cuda", 0)
 
 
+def test_a_device_string_is_checked_and_its_gpu_index_used_by_one_process(slurm_env, fake_gpus,
+                                                                          caplog):
+    """cuda:1 in one process is GPU 1 (it was GPU 0, silently); under a launcher each process
+    takes its local rank's GPU, and the index is said to be unused; "mps" is one sentence."""
+    init = distributed_utils.init_distributed_mode
+    slurm_env.setattr(torch.cuda, "device_count", lambda: 2)
+    assert init(device="cuda:1").device == torch.device("cuda", 1)
+    assert fake_gpus == [1]
+    with pytest.raises(distributed_utils.LaunchError, match=re.escape(
+            "--device cuda:2 was asked for, but only 2 GPU(s) are visible")):
+        init(device="cuda:2")
+    for bad in ("mps", "gpu", "cuda:x", "cpu:0"):
+        with pytest.raises(ValueError, match=re.escape(f"device '{bad}' is not one of auto, cpu, "
+                                                       "cuda or cuda:N")):
+            init(device=bad)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        slurm_env.setenv(key, value)  # torchrun --nproc_per_node=1 without a rendezvous address
+    assert init(device="cuda:1").device == torch.device("cuda", 0)
+    assert ("--device cuda:1: under a launcher each process uses the GPU of its local rank, so "
+            "the index is not used") in caplog.text
+
+
 def test_torchrun_with_more_processes_than_gpus_stops_every_rank(slurm_env, fake_gpus):
     """``CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=2``: torchrun's workers share one view,
     so the SLURM remap must not put both on GPU 0 (NCCL would refuse at the first collective).
