@@ -66,31 +66,32 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         # Statistics in float32 even under bf16/fp16 autocast, as torch's BatchNorm keeps them:
         # 8-bit mantissa sums (and counts: 87808 rounds to 88064) are off by whole units.
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
-        count = torch.full((1,), input.numel() / channels, dtype=x.dtype, device=x.device)
-        # Sums are taken around a detached shift, the same on every rank, so that E[x^2] - E[x]^2
-        # does not cancel catastrophically in float32 when |mean| >> std; variance is
-        # shift-invariant. The running mean, as a copy: the graph must not hold running_mean,
-        # which is updated in place below (under torch.compile the backward would find it
-        # modified); without running statistics, the global batch mean (one more all-reduce).
-        if self.running_mean is not None:
-            shift = self.running_mean.detach().clone().to(x.dtype)
-        else:  # no running mean to share: every rank must use the same shift, the global mean
-            local = torch.cat([x.detach().sum(dims), count])
-            dist.all_reduce(local, group=self.process_group)
-            shift = local[:channels] / local[-1].clamp(min=1)
+        n = input.numel() / channels
+        # Each rank sums around its own batch mean (detached), so that float32 sums of squares
+        # do not cancel catastrophically when |mean| >> std; the ranks' sums are then combined
+        # exactly in float64 (Chan et al.'s pairwise update, written as sums, so one all-reduce
+        # serves every rank and autograd): nothing depends on the ranks agreeing beforehand
+        # (their running means differ with DDP(broadcast_buffers=False), or without DDP).
+        shift = x.detach().sum(dims) / max(n, 1)  # 0 for a rank with an empty batch
         centred = x - shift.view(shape)
-        stats = torch.cat([centred.sum(dims), (centred * centred).sum(dims), count])
-        stats = _AllReduceSum.apply(stats, self.process_group)
+        s1, s2 = centred.sum(dims).double(), (centred * centred).sum(dims).double()
+        m = shift.double()
+        count = torch.full((1,), n, dtype=torch.float64, device=x.device)
+        stats = _AllReduceSum.apply(torch.cat([s1, s2, m * s1, n * m, n * m * m, count]),
+                                    self.process_group)
+        s1, s2, m_s1, n_m, n_m2 = stats[:-1].view(5, channels)
         total = stats[-1]
         if total.item() < 2:
             raise ValueError("SyncBatchNorm needs more than one value per channel over all ranks "
                              f"(got {int(total.item())}); use a larger batch.")
-        mean_c = stats[:channels] / total
-        # Biased, for normalising. A channel that is constant over the batch (identical or
-        # blank images) has variance 0, which float32 rounding can take below -eps: rsqrt would
-        # give NaN where torch's BatchNorm gives 0.
-        var = (stats[channels:2 * channels] / total - mean_c * mean_c).clamp(min=0)
-        mean = mean_c + shift
+        mean = (s1 + n_m) / total
+        # sum over ranks of sum((x - shift_r + shift_r - mean)^2), expanded. Biased, for
+        # normalising; a channel constant over the batch (identical or blank images) has
+        # variance 0, which rounding can take below -eps: rsqrt would give NaN where torch's
+        # BatchNorm gives 0.
+        var = ((s2 + 2 * m_s1 - 2 * mean * s1 + n_m2 - 2 * mean * n_m + mean * mean * total)
+               / total).clamp(min=0)
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
 
         if self.track_running_stats:
             with torch.no_grad():

@@ -180,10 +180,13 @@ def _bn_batches(sizes: tuple[int, int], dtype: torch.dtype) -> tuple[list, list]
 
 
 def _syncbn_worker(rank: int, world: int, sizes: tuple[int, int], xs: list, grads: list,
-                   bn_init: nn.BatchNorm2d) -> dict:
+                   bn_init: nn.BatchNorm2d, skew: float = 0.0) -> dict:
     lo = sum(sizes[:rank])
     part = slice(lo, lo + sizes[rank])
     sync = SyncBatchNormCPU.convert_sync_batchnorm(copy.deepcopy(bn_init))
+    if rank == 1 and skew:  # buffers not broadcast (DDP(broadcast_buffers=False), no DDP)
+        with torch.no_grad():
+            sync.running_mean += skew
     plain = copy.deepcopy(bn_init)
     steps = []
     for x_full, g_full in zip(xs, grads):
@@ -249,6 +252,28 @@ def test_sync_batchnorm_cpu_equals_full_batch_batchnorm(sizes, dtype, momentum, 
         assert mean_gap > 0.01, f"rank {rank}: per-rank running_mean matches ({mean_gap})"
 
 
+def test_sync_batchnorm_cpu_does_not_need_the_ranks_running_means_to_agree(tmp_path):
+    """The statistics were sums around each rank's running mean, which must then be the same on
+    every rank: off by 5 on one rank, the output was off by 0.75 from the full-batch BatchNorm."""
+    sizes, dtype = (3, 5), torch.float32
+    xs, grads = _bn_batches(sizes, dtype)
+    bn_init = _bn_init(dtype, 0.1)
+    ref = copy.deepcopy(bn_init)
+    per_rank = run_ranks(_syncbn_worker, 2, tmp_path, sizes, xs, grads, bn_init, 5.0)
+    for it, (x_full, g_full) in enumerate(zip(xs, grads)):
+        x = x_full.clone().requires_grad_(True)
+        out = ref(x)
+        (out * g_full).sum().backward()
+        for rank, got in enumerate(per_rank):
+            part = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+            step = got["steps"][it]
+            torch.testing.assert_close(step["out"], out.detach()[part], **_tols(dtype))
+            torch.testing.assert_close(step["x_grad"], x.grad[part], **_tols(dtype))
+        torch.testing.assert_close(per_rank[0]["steps"][it]["weight_grad"], ref.weight.grad,
+                                   **_tols(dtype))
+        ref.zero_grad(set_to_none=True)
+
+
 def _syncbn_bf16_worker(rank: int, world: int, x_full: torch.Tensor) -> dict:
     half = x_full.shape[0] // world
     sync = SyncBatchNormCPU(BN_CHANNELS)
@@ -273,6 +298,20 @@ def test_sync_batchnorm_cpu_keeps_float32_statistics_for_bf16_input(tmp_path):
         for key in ("running_mean", "running_var"):
             torch.testing.assert_close(got["state"][key], ref.state_dict()[key], rtol=1e-4,
                                        atol=1e-5)
+
+
+def test_sync_batchnorm_cpu_is_exact_from_the_first_step_when_the_mean_dwarfs_the_spread(
+        tmp_path):
+    """Sums around a fresh running mean (0) of float32 values near 1000 with spread 0.1 cancel:
+    the first step's output was off by 108. Each rank's own batch mean as the shift is as
+    exact as torch's float32 BatchNorm."""
+    gen = torch.Generator().manual_seed(0)
+    x64 = torch.randn(16, BN_CHANNELS, 8, 8, generator=gen, dtype=torch.float64) * 0.1 + 1000
+    want = nn.BatchNorm2d(BN_CHANNELS).double()(x64)
+    per_rank = run_ranks(_syncbn_bf16_worker, 2, tmp_path, x64.float())  # halves of 8
+    got = torch.cat([r["out"] for r in per_rank]).double()
+    torch_error = (nn.BatchNorm2d(BN_CHANNELS)(x64.float()).double() - want).abs().max()
+    assert (got - want).abs().max() < 2 * torch_error + 1e-4
 
 
 def _syncbn_constant_worker(rank: int, world: int, x_full: torch.Tensor) -> dict:
