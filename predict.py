@@ -192,12 +192,12 @@ def load_checkpoint_with_classes(
         ):
             log.warning("Ignoring the 'classes' entry of %s, which is not a list of class names.", path)
             classes = None
-    elif isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
-        state_dict, train_args = obj, {}
-    else:
-        raise UsageError(
-            f"Weights file {path} holds neither a state dict nor a checkpoint with a 'model' entry."
-        )
+    else:  # a bare state dict, or another trainer's checkpoint (Lightning, the PyTorch tutorial)
+        try:
+            state_dict, train_args = extract_state_dict(obj, path), {}
+        except CheckpointError:
+            raise UsageError(f"Weights file {path} holds neither a state dict nor a checkpoint "
+                             "with a 'model', 'state_dict' or 'model_state_dict' entry.") from None
     # Files from elsewhere may carry the prefixes DDP ("module.") and torch.compile ("_orig_mod.")
     # add, in any order; ours never do (saved unwrapped). Stripped as training's --weights does.
     try:

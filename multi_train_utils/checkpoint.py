@@ -155,13 +155,16 @@ def _zip_damage(path: str | os.PathLike) -> str | None:
 def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model state dict inside ``obj`` (a bare state dict or a checkpoint with ``model``),
     without any ``module.`` / ``_orig_mod.`` prefixes."""
-    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
-        obj = obj["model"]
-    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
+    # "model" (ours, torchvision's references), "state_dict" (Lightning), "model_state_dict"
+    # (the PyTorch tutorial's general checkpoint)
+    for key in ("model", "state_dict", "model_state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
         raise CheckpointError(f"{path} holds no model state dict (expected a dict of tensors or a "
-                              "checkpoint with a 'model' entry).")
+                              "checkpoint with a 'model', 'state_dict' or 'model_state_dict' "
+                              "entry).")
     # A wrapper (DDP's "module.", torch.compile's "_orig_mod.") prefixes every key; a model's
     # own submodule called "module" prefixes only its own, and keeps its name.
     prefix = re.compile(r"(module\.|_orig_mod\.)")

@@ -208,6 +208,11 @@ def test_load_checkpoint_accepts_full_and_bare_and_strips_module_prefix(run: dic
     for prefix in ("module.", "_orig_mod.module.", "module._orig_mod."):
         wrapped[prefix] = tmp_path / f"{prefix.replace('.', '-')}pth"
         torch.save({f"{prefix}{k}": v for k, v in reference.items()}, wrapped[prefix])
+    # the PyTorch tutorial's general checkpoint, and Lightning's key
+    for key in ("model_state_dict", "state_dict"):
+        wrapped[key] = tmp_path / f"{key}.pth"
+        torch.save({"epoch": 3, key: reference, "optimizer_state_dict": {"state": {}}},
+                   wrapped[key])
 
     for path, expected_args, expected_classes in [
         (run["dir"] / "checkpoint.pth", {"model": "resnet18", "num_classes": 3, "img_size": IMG_SIZE}, CLASSES),
