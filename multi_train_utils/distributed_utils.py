@@ -118,6 +118,11 @@ def _read_env() -> tuple[int, int, int] | None:
         os.environ.setdefault("MASTER_PORT",
                               str(20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * step) % 12768))
     else:
+        partial = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in os.environ]
+        if partial:  # two such processes would each train alone, as rank 0, on one output
+            log.warning("%s set, but not both RANK and WORLD_SIZE: this process runs alone, in "
+                        "no process group; start the processes with torchrun, or unset %s.",
+                        " and ".join(partial), "it" if len(partial) == 1 else "them")
         return None
     rank, _, world_size = env
     if not 0 <= rank < world_size:

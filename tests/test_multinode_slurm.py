@@ -913,6 +913,17 @@ def test_a_device_string_is_checked_and_its_gpu_index_used_by_one_process(slurm_
             "the index is not used") in caplog.text
 
 
+def test_half_a_launch_environment_is_said_not_ignored(slurm_env, caplog):
+    """WORLD_SIZE=2 LOCAL_RANK=1 without RANK (a hand-written launch) ran as a lone rank 0."""
+    slurm_env.setenv("WORLD_SIZE", "2")
+    slurm_env.setenv("LOCAL_RANK", "1")
+    info = distributed_utils.init_distributed_mode(device="cpu")
+    assert (info.rank, info.world_size) == (0, 1)
+    assert ("WORLD_SIZE and LOCAL_RANK set, but not both RANK and WORLD_SIZE: this process runs "
+            "alone, in no process group; start the processes with torchrun, or unset them."
+            ) in caplog.messages
+
+
 def test_torchrun_with_more_processes_than_gpus_stops_every_rank(slurm_env, fake_gpus):
     """``CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=2``: torchrun's workers share one view,
     so the SLURM remap must not put both on GPU 0 (NCCL would refuse at the first collective).
