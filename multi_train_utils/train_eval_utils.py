@@ -279,7 +279,8 @@ class EvalResult(int):
     It is an ``int`` so the classic ``acc = evaluate(...) / len(val_set)`` keeps working; the
     other exact figures ride along as attributes. (The classic ``/ val_sampler.total_size`` now
     under-reports: ``total_size`` counts the sampler's padding, which is no longer scored; use
-    ``len(val_set)`` or ``.top1``.)
+    ``.top1``, over ``num_samples``, which leaves out samples labelled -100, or ``len(val_set)``,
+    which counts those as wrong.)
     """
 
     top5_correct: int
