@@ -907,7 +907,7 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
     # reports its own, and appends them to the run's list (rank 0 rewrites it before training).
     skip_log = None if args.eval_only else out / "skipped_files.txt"
     train_set = MyDataSet(train_p, train_y, transforms["train"], decoder="tensor", seed=args.seed,
-                          report_errors=True, skip_log=skip_log)
+                          report_errors=True, skip_log=skip_log, replace_unreadable=True)
     val_set = MyDataSet(val_p, val_y, transforms["val"], decoder="tensor", report_errors=True,
                         skip_log=skip_log)
     train_sampler = DistributedSampler(train_set, num_replicas=info.world_size, rank=info.rank,
