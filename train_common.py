@@ -1182,7 +1182,7 @@ def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
                     args.weights)
     elif trained_on is not None and trained_on != classes:
         raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
-                                              "evaluate it on the data it was trained on"))
+                                              EVAL_REDO))
 
 
 def _weights_classes(path: str, source: Any, *, warn: bool = False) -> list[str] | None:
@@ -1272,9 +1272,18 @@ def _score_against_trained_classes(path: str, classes: list[str], val_set: MyDat
     return trained
 
 
+EVAL_REDO = "evaluate it on the data it was trained on"
+
+
 def _class_mismatch(path: str, trained_on: list[str], classes: list[str], redo: str) -> str:
+    """Why ``classes`` cannot go with weights trained on ``trained_on``; ``redo`` says what to do
+    instead. An evaluation may score some of the trained classes: only new ones count there."""
     gone = [c for c in trained_on if c not in classes]
     new = [c for c in classes if c not in trained_on]
+    if redo == EVAL_REDO and new:
+        return (f"{path} was trained on the classes {short_list(trained_on)}, but the data has "
+                f"class folder(s) it has no output for: {short_list(new, 5)}; score a folder "
+                "whose class folders are among those it was trained on (some may be missing).")
     diff = "; ".join([f"not in the data: {short_list(gone, 5)}"] * bool(gone)
                      + [f"new: {short_list(new, 5)}"] * bool(new)) or "same names, other order"
     return (f"{path} was trained on the classes {short_list(trained_on)} but the data has "
@@ -1544,7 +1553,7 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
     """Refuse what cannot go on from ``ckpt`` (another model, other classes, ...); warn of the
     rest."""
     saved = ckpt.get("args", {})
-    redo = ("evaluate it on the data it was trained on" if args.eval_only else
+    redo = (EVAL_REDO if args.eval_only else
             "resume with the data it was trained on, or use another --output-dir")
     if "model" in saved and saved["model"] != args.model:
         raise CheckpointError(f"{path} was trained with --model {saved['model']} but this run has "

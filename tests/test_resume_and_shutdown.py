@@ -1780,10 +1780,11 @@ def test_eval_only_weights_from_a_checkpoint_of_other_classes_is_refused(run_a, 
     assert code == 2, err[-3000:]
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert (f"{weights} was trained on the classes daisy, dandelion, roses, sunflowers, tulips "
-            "but the data has a_tulips, daisy, dandelion, roses, sunflowers (not in the data: "
-            "tulips; new: a_tulips), "
-            "so its labels would be wrong; evaluate it on the data it was trained on.") in errors[0]
+    # A test folder may lack classes: only the one it has no output for is named.
+    assert (f"{weights} was trained on the classes daisy, dandelion, roses, sunflowers, tulips, "
+            "but the data has class folder(s) it has no output for: a_tulips; score a folder "
+            "whose class folders are among those it was trained on (some may be missing)."
+            ) in errors[0]
     assert "top-1 accuracy" not in err
 
 
