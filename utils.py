@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import filecmp
+import functools
 import hashlib
 import json
 import logging
@@ -17,7 +19,7 @@ import sys
 import tempfile
 import unicodedata
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +35,9 @@ from my_dataset import check_image, printable_path
 
 log = logging.getLogger(__name__)
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".avif")
+# .jpe and .jfif are JPEG too (Windows and browsers save them); decoders read the content.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".gif", ".tif",
+                  ".tiff", ".avif")
 # Folder names that mean "already split" (train/val/class/img), not classes.
 SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "test", "testing"}
 
@@ -42,12 +46,33 @@ class DataError(ValueError):
     """A problem with the user's data, said in one sentence (what, where, how to fix)."""
 
 
+# Words that make up the subject of a skip reason ("dangling link or missing file", "file name
+# is ..."): the nouns counted and the adjectives before them.
+_COUNTED_NOUNS = {"file", "folder", "link", "duplicate", "image", "name"}
+_SUBJECT_WORDS = _COUNTED_NOUNS | {"hidden", "empty", "dangling", "missing", "unreadable", "or"}
+
+
 def _counted(count: int, reason: str) -> str:
-    """``"2 hidden files"``, ``"1 hidden file"``, ``"3 not a readable image"``."""
-    # Only short reasons are nouns to count: "2 not a regular file", not "... files".
-    plural = (count != 1 and len(reason.split()) <= 2
-              and reason.split()[-1] in ("file", "folder", "link", "duplicate"))
-    return f"{count} {reason}{'s' if plural else ''}"
+    """``reason`` counted: ``"1 hidden file"``, ``"2 hidden files"``, ``"35 images in the data
+    root, not in a class folder"``, ``"2 file names are not valid UTF-8; rename them"``, ``"3 not
+    readable images"``; a reason without a noun to count is a label: ``"2 permission denied"``,
+    ``"30 not an image extension"`` (a file is not an extension)."""
+    words = reason.split(" ")
+    if count == 1:
+        return f"1 {reason}"
+    if words[:2] in (["not", "a"], ["not", "an"]) and words[-1] in {"file", "image"}:
+        return f"{count} not {' '.join(words[2:])}s"
+    # The subject is the leading run of nouns and adjectives; the last noun before the end of
+    # the subject or an "or" is what is counted ("file name": names), then its verb agrees.
+    end = next((i for i, w in enumerate(words) if w not in _SUBJECT_WORDS), len(words))
+    heads = [i for i in range(end) if words[i] in _COUNTED_NOUNS
+             and (i + 1 == end or words[i + 1] == "or")]
+    for i in heads:
+        words[i] += "s"
+    if heads and end < len(words):
+        words[end] = {"is": "are", "has": "have"}.get(words[end], words[end])
+    text = " ".join(words)
+    return f"{count} {text.replace('; rename it', '; rename them') if heads else text}"
 
 
 @dataclass
@@ -103,12 +128,14 @@ class FolderScan:
         return "\n".join(lines)
 
 
-def _walk_files(folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+def _walk_files(folder: str, loops_back: Callable[[str], str | None]
+                ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Every file below ``folder`` as ``(path, real path of its folder)``, sorted, and the folders
     left out, as ``(path, reason)``.
 
-    Symlinked folders are followed once (no loops). Hidden and unreadable folders are not
-    entered but reported, so nothing below them is lost without a word.
+    Symlinked folders are followed once (no loops), unless ``loops_back`` gives a reason not to
+    for their real path. Hidden and unreadable folders are not entered but reported, so nothing
+    below them is lost without a word.
     """
     found: list[str] = []
     skipped: list[tuple[str, str]] = []
@@ -117,13 +144,15 @@ def _walk_files(folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str
     def unreadable(exc: OSError) -> None:
         # os.walk drops folders it cannot list unless told; the class would vanish unexplained.
         why = "permission denied" if isinstance(exc, PermissionError) else (
-            f"cannot read folder ({exc.strerror or type(exc).__name__})")
+            f"unreadable folder ({exc.strerror or type(exc).__name__})")
         skipped.append((exc.filename or folder, why))
 
     for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable, followlinks=True):
-        real = os.path.realpath(dirpath)
-        if real in seen:
-            skipped.append((dirpath, f"duplicate (same folder as {printable_path(seen[real])})"))
+        real = os.path.realpath(dirpath)  # once per folder, not per file
+        why = loops_back(real) or (f"duplicate (same folder as {printable_path(seen[real])})"
+                                   if real in seen else None)
+        if why:
+            skipped.append((dirpath, why))
             dirnames[:] = []
             continue
         seen[real] = dirpath
@@ -134,17 +163,21 @@ def _walk_files(folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str
     return sorted(found), skipped
 
 
-def _real_file(path: str, real_dir: str) -> tuple[str | None, str | None]:
-    """``(os.path.realpath(path), None)``, or ``(None, why)`` for a dangling link, a FIFO or
-    device (reading one blocks forever) or an empty file; for the price of one ``lstat``: the
-    folder's real path is known from the walk, so only symlinked files need resolving (realpath
-    on every file costs a syscall per path component, seconds on ImageNet). These checks hold
-    without ``--verify-images`` too: they cost nothing more than the walk."""
+def _real_file(path: str, real_dir: str, loops_back: Callable[[str], str | None]
+               ) -> tuple[str | None, str | None]:
+    """``(os.path.realpath(path), None)``, or ``(None, why)`` for a dangling link, a link that
+    ``loops_back`` refuses, a FIFO or device (reading one blocks forever) or an empty file; for
+    the price of one ``lstat``: the folder's real path is known from the walk, so only symlinked
+    files need resolving (realpath on every file costs a syscall per path component, seconds on
+    ImageNet). These checks hold without ``--verify-images`` too: they cost nothing more than
+    the walk."""
     try:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
             st = os.stat(path)
             real = os.path.realpath(path)
+            if why := loops_back(real):
+                return None, why
         else:
             real = os.path.join(real_dir, os.path.basename(path))
     except PermissionError:  # a folder that may be listed but not entered (no x bit)
@@ -154,6 +187,26 @@ def _real_file(path: str, real_dir: str) -> tuple[str | None, str | None]:
     if not stat.S_ISREG(st.st_mode):
         return None, "not a regular file"
     return (None, "empty file") if st.st_size == 0 else (real, None)
+
+
+def _dead_class_link(root: str, name: str, exc: OSError) -> str:
+    """The error for a link in the data folder that leads nowhere: most likely a class folder on
+    storage that is not mounted, whose class would otherwise vanish from the run unsaid."""
+    path = os.path.join(root, name)
+    try:
+        target = os.path.normpath(os.path.join(root, os.readlink(path)))
+    except OSError:  # replaced since it was listed
+        target = "?"
+    where = (f"class folder {printable_path(name)} in {printable_path(root)} is a link to "
+             f"{printable_path(target)}")
+    fix = "or remove the link to train without that class."
+    if isinstance(exc, FileNotFoundError):
+        return f"{where}, which does not exist (storage not mounted?); mount it, {fix}"
+    if isinstance(exc, PermissionError):
+        return (f"{where}, which this user may not open (permission denied); give it read and "
+                f"execute access, {fix}")
+    why = "it loops back to itself" if exc.errno == errno.ELOOP else exc.strerror or exc
+    return f"{where}, which cannot be reached ({why}); point it at the class's images, {fix}"
 
 
 def _is_utf8(name: str) -> bool:
@@ -183,12 +236,15 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
     """Find ``root/<class>/**/<image>``; classes are the sorted sub-folder names.
 
     Hidden files and folders, other extensions, names that are not valid UTF-8, unreadable
-    folders, second paths to an already found file (symlinks; the first in sorted order is kept,
-    so one image cannot land in both train and val) and (with ``verify``) files that are not
-    readable images are skipped and listed; class folders left empty are dropped. Raises
-    :class:`DataError` when the root cannot be read, a class folder name is not valid UTF-8, or
-    fewer than ``min_classes`` classes with images remain (a test folder scored against a
-    trained model may hold one).
+    folders, dangling links, second paths to an already found file (symlinks; the first in
+    sorted order is kept, so one image cannot land in both train and val), links (class
+    folders, sub-folders, files) back to the data folder or into another class's real folder
+    (its images keep their own class) and (with ``verify``) files that are not readable images
+    are skipped and listed; class folders left empty are dropped. Raises :class:`DataError` when
+    the root cannot be read, a class folder is a link to nothing (storage not mounted), a class
+    folder name is not valid UTF-8, two class folder names look the same, or fewer than
+    ``min_classes`` classes with images remain (a test folder scored against a trained model
+    may hold one).
     """
     if not os.path.isdir(root):
         what = "is not a folder" if os.path.exists(root) else "does not exist"
@@ -196,16 +252,54 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                         "images per class (e.g. flower_photos/daisy/*.jpg).")
     try:
         with os.scandir(root) as entries:
-            names = [entry.name for entry in entries]
+            # is_symlink() comes with the listing, without a syscall: only links need a closer look.
+            listing = [(entry.name, entry.is_symlink()) for entry in entries]
     except OSError as exc:
         why = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or exc
         raise DataError(f"cannot read data folder {root}: {why}; check its permissions "
                         "(the training user needs read and execute access).") from None
+    names = [name for name, _ in listing]
+    links = {name for name, is_link in listing if is_link and not name.startswith(".")}
+    folders = [d for d in names if not d.startswith(".") and os.path.isdir(os.path.join(root, d))]
+    skipped: list[tuple[str, str]] = []
+    for name in sorted(links.difference(folders)):
+        path = os.path.join(root, name)
+        try:
+            os.stat(path)  # a link to a file is no class; one to nothing may have been a class
+        except OSError as exc:
+            if name.lower().endswith(IMG_EXTENSIONS):  # a loose image: no class either way
+                skipped.append((path, "dangling link"))
+                continue
+            raise DataError(_dead_class_link(root, name, exc)) from None
+
+    # A link that leads back into the data set would give the images it reaches a second,
+    # wrong label: a class folder "Rose" -> roses, sorting first, took all of roses' images (the
+    # real ones were then dropped as duplicates); a sub-folder b/up -> .. took every class's.
+    # Only the real folder labels its images. Real paths of plain class folders come free from
+    # the root's; only links are resolved (once per link, never once per file).
+    real_root = os.path.realpath(root)
+    plain_classes = {d for d in folders if d not in links}
+
+    def loops_back(real: str, own: str | None = None) -> str | None:
+        """Why a link to ``real`` found in class folder ``own`` is not followed, or None."""
+        if real == real_root:
+            return "link to the data folder"
+        if real.startswith(os.path.join(real_root, "")):
+            top = real[len(os.path.join(real_root, "")):].split(os.sep, 1)[0]
+            if top in plain_classes and top != own:
+                return f"link into class {unicodedata.normalize('NFC', top)}"
+        return None
+
+    class_names = []
+    for name in folders:
+        why = name in links and loops_back(os.path.realpath(os.path.join(root, name)))
+        if why:
+            skipped.append((os.path.join(root, name), why))
+        else:
+            class_names.append(name)
     # Sorted by the NFC form, as they are named below: a copy whose folder names are NFD
     # (macOS) gets the same class indices.
-    class_names = sorted((d for d in names
-                          if not d.startswith(".") and os.path.isdir(os.path.join(root, d))),
-                         key=lambda d: unicodedata.normalize("NFC", d))
+    class_names.sort(key=lambda d: unicodedata.normalize("NFC", d))
     loose = sum(1 for n in names if n.lower().endswith(IMG_EXTENSIONS) and not n.startswith("."))
     # A class folder given as the data path holds its images itself: name the folder above.
     parent_hint = (f"; it holds {loose} image(s) itself, like one class's folder: did you mean "
@@ -222,7 +316,7 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                             "class_indices.json and checkpoints).")
     _check_class_names(root, class_names)
     # Images next to the class folders belong to no class: listed, not silently left out.
-    skipped: list[tuple[str, str]] = [
+    skipped += [
         (os.path.join(root, n), "image in the data root, not in a class folder")
         for n in sorted(names) if n.lower().endswith(IMG_EXTENSIONS) and not n.startswith(".")
         and os.path.isfile(os.path.join(root, n))]
@@ -231,7 +325,8 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
     for name in class_names:
         kept = []
         class_dir = os.path.join(root, name)
-        files, skipped_dirs = _walk_files(class_dir)
+        in_class = functools.partial(loops_back, own=name)
+        files, skipped_dirs = _walk_files(class_dir, in_class)
         skipped += skipped_dirs
         for path, real_dir in files:
             base = os.path.basename(path)
@@ -241,8 +336,11 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
                 what = "file" if not _is_utf8(base) else "folder"
                 skipped.append((path, f"{what} name {_not_utf8(path)}"))
             elif not base.lower().endswith(IMG_EXTENSIONS):
-                skipped.append((path, "not an image extension"))
-            elif (found := _real_file(path, real_dir))[0] is None:
+                # os.walk lists a dangling link to a folder as a file; only files that failed
+                # the extension test pay for this check.
+                dangling = os.path.islink(path) and not os.path.exists(path)
+                skipped.append((path, "dangling link" if dangling else "not an image extension"))
+            elif (found := _real_file(path, real_dir, in_class))[0] is None:
                 skipped.append((path, found[1]))
             elif (real := found[0]) in first_of:
                 skipped.append((path, f"duplicate (same file as {printable_path(first_of[real])})"))
@@ -360,8 +458,10 @@ def run_args_near(weights: str | os.PathLike) -> tuple[dict, Path | None]:
 
 def _check_class_names(root: str, class_names: list[str]) -> None:
     """Refuse class folders that are not classes: a data set already split into train/ and
-    val/ (it would train two classes, "train" and "val"), or two folders with one name written
-    in two Unicode forms (NFC/NFD: two classes that look the same)."""
+    val/ (it would train two classes, "train" and "val"), or two folders whose names look the
+    same: one name written in two Unicode forms (NFC/NFD), or names that differ only in spaces
+    at the ends, invisible characters (zero-width space, BOM) or compatibility forms
+    (full-width letters, ligatures). Each would be two classes nobody can tell apart."""
     def has_sub_folders(name: str) -> bool:
         try:
             with os.scandir(os.path.join(root, name)) as entries:
@@ -380,6 +480,7 @@ def _check_class_names(root: str, class_names: list[str]) -> None:
         raise DataError(f"data path {root} holds {', '.join(class_names)}, which look like the "
                         f"parts of a data set that is already split, not classes; pass {use}.")
     seen: dict[str, str] = {}
+    looks: dict[str, str] = {}
     for name in class_names:
         other = seen.setdefault(unicodedata.normalize("NFC", name), name)
         if other != name:
@@ -387,6 +488,16 @@ def _check_class_names(root: str, class_names: list[str]) -> None:
                             "name written in two Unicode forms (NFC and NFD, e.g. after a copy "
                             "from macOS), so they would be two classes that look the same; move "
                             "the images of one into the other.")
+        # Format characters (category Cf) are dropped before NFKC so that a zero-width space
+        # between a letter and its accent does not keep them apart.
+        visible = "".join(c for c in name if unicodedata.category(c) != "Cf")
+        other = looks.setdefault(unicodedata.normalize("NFKC", visible).strip(), name)
+        if other != name:
+            raise DataError(f"class folders {ascii(other)} and {ascii(name)} in {root} look the "
+                            "same (they differ only in spaces at the ends, invisible characters "
+                            "or character forms such as full-width letters), so they would be "
+                            "two classes nobody can tell apart; move the images of one into the "
+                            "other, or rename one.")
 
 
 def split_key(path: str, root: str | None) -> str:

@@ -169,7 +169,7 @@ def test_scan_skips_and_reports_every_kind_of_junk(messy):
     assert "20 images in 4 classes" in summary
     assert "dropped 1 class folder(s) with no usable image: empty" in summary
     assert summary.count("skipped 8 file(s)") == 1
-    assert "3 not a readable image" in summary and "2 hidden file" in summary
+    assert "3 not readable images" in summary and "2 hidden files" in summary
     # Deterministic: what rank 0 broadcasts is what any rank would have found.
     again = scan_image_folder(str(messy), threads=1)
     assert (again.classes, again.images, again.skipped) == (scan.classes, scan.images,
@@ -514,7 +514,7 @@ def test_summary_shows_examples_of_every_reason_and_the_extensions_read(tmp_path
     (root / "b" / "zz_bad.jpg").write_bytes(b"not a jpeg")
     summary = scan_image_folder(str(root)).summary()
     assert ("skipped 31 file(s): 1 not a readable image, 30 not an image extension (read: .jpg "
-            ".jpeg .png .bmp .webp .gif .tif .tiff .avif)") in summary
+            ".jpeg .jpe .jfif .png .bmp .webp .gif .tif .tiff .avif)") in summary
     assert f"  skipped {root / 'b' / 'zz_bad.jpg'}: not a readable image" in summary
     assert summary.count("not an image extension\n") == 10
     assert summary.endswith("... and 20 more (see skipped_files.txt)")
@@ -557,24 +557,125 @@ def test_hidden_folders_in_a_class_are_listed_not_entered(tmp_path):
 def test_symlinked_duplicates_are_kept_once(tmp_path):
     root = two_class_data(tmp_path / "data", 3)
     a, b = root / "a", root / "b"
+    (tmp_path / "elsewhere").mkdir()
+    outside = write_jpeg(tmp_path / "elsewhere" / "real.jpg", 9)
     (a / "link_to_00.jpg").symlink_to(a / "00.jpg")  # same class
-    (b / "zz_from_a.jpg").symlink_to(a / "01.jpg")  # another class: "a" sorts first, keeps it
-    (a / "aa_from_b.jpg").symlink_to(b / "02.jpg")  # the link sorts first: b's real file goes
+    (a / "out.jpg").symlink_to(outside)  # outside the data: "a" sorts first, keeps it
+    (b / "out_too.jpg").symlink_to(outside)
+    (b / "zz_from_a.jpg").symlink_to(a / "01.jpg")  # into another class: only a labels it
+    (a / "aa_from_b.jpg").symlink_to(b / "02.jpg")  # the link sorts first, b keeps its file
     (b / "loop").symlink_to(b, target_is_directory=True)  # a folder loop: walked once
     scan = scan_image_folder(str(root))
     flat = [p for paths in scan.images for p in paths]
-    assert len({os.path.realpath(p) for p in flat}) == len(flat) == 6  # 6 real files, each once
-    assert scan.images[0] == [str(a / n) for n in ("00.jpg", "01.jpg", "02.jpg", "aa_from_b.jpg")]
-    assert scan.images[1] == [str(b / "00.jpg"), str(b / "01.jpg")]  # 02 went to "a"
+    assert len({os.path.realpath(p) for p in flat}) == len(flat) == 7  # 7 real files, each once
+    assert scan.images[0] == [str(a / n) for n in ("00.jpg", "01.jpg", "02.jpg", "out.jpg")]
+    assert scan.images[1] == [str(b / n) for n in ("00.jpg", "01.jpg", "02.jpg")]
     assert scan.skipped == [
+        (str(a / "aa_from_b.jpg"), "link into class b"),
         (str(a / "link_to_00.jpg"), f"duplicate (same file as {a / '00.jpg'})"),
-        (str(b / "02.jpg"), f"duplicate (same file as {a / 'aa_from_b.jpg'})"),
         (str(b / "loop"), f"duplicate (same folder as {b})"),
-        (str(b / "zz_from_a.jpg"), f"duplicate (same file as {a / '01.jpg'})")]
-    assert "skipped 4 file(s): 4 duplicates" in scan.summary()  # one reason, however many firsts
+        (str(b / "out_too.jpg"), f"duplicate (same file as {a / 'out.jpg'})"),
+        (str(b / "zz_from_a.jpg"), "link into class a")]
+    # One count per reason, however many first paths the duplicates have.
+    assert ("skipped 5 file(s): 3 duplicates, 1 link into class a, 1 link into class b"
+            in scan.summary())
     _, _, val_p, _, _ = split_train_val(scan.images, 0.5)
     assert not {os.path.realpath(p) for p in val_p} & {
         os.path.realpath(p) for p in flat if p not in val_p}  # no image in both splits
+
+
+def test_a_class_folder_linked_to_storage_that_is_not_there_is_a_data_error(tmp_path):
+    """It was left out without a word: the run trained on the other classes and exited 0."""
+    root = two_class_data(tmp_path / "data", 2)
+    nas = tmp_path / "nas" / "roses"  # the share, not mounted
+    (root / "roses").symlink_to(nas, target_is_directory=True)
+    (root / ".old").symlink_to(tmp_path / "gone")  # hidden: ignored, as hidden folders are
+    with pytest.raises(DataError) as err:
+        scan_image_folder(str(root))
+    assert str(err.value) == (
+        f"class folder roses in {root} is a link to {nas}, which does not exist (storage not "
+        "mounted?); mount it, or remove the link to train without that class.")
+    make_class(nas, 2, 3)  # mounted
+    assert scan_image_folder(str(root)).classes == ["a", "b", "roses"]
+    (root / "loop").symlink_to("loop")
+    with pytest.raises(DataError, match=r"^class folder loop in .* is a link to .*loop, which "
+                                        r"cannot be reached \(it loops back to itself\);"):
+        scan_image_folder(str(root))
+
+
+def test_a_dangling_link_in_a_class_folder_is_listed_as_one(tmp_path):
+    root = two_class_data(tmp_path / "data", 2)
+    (root / "a" / "more").symlink_to(tmp_path / "gone", target_is_directory=True)  # no extension
+    (root / "a" / "notes.txt").write_text("a sidecar")
+    assert scan_image_folder(str(root)).skipped == [
+        (str(root / "a" / "more"), "dangling link"),
+        (str(root / "a" / "notes.txt"), "not an image extension")]
+
+
+def test_links_back_into_the_data_set_do_not_relabel_images(tmp_path):
+    """Only an image's real class folder labels it: links to the data folder or into another
+    class are skipped (they gave class c's images class b's label, and c was dropped)."""
+    root = tmp_path / "data"
+    for i, cls in enumerate(("a", "b", "c", "roses")):
+        make_class(root / cls, 2, i)
+    make_class(root / "c" / "sub", 1, 7)
+    outside = make_class(tmp_path / "elsewhere" / "japan", 2, 8)
+    (root / "b" / "up").symlink_to("..", target_is_directory=True)  # ln -s .. DATA/b/up
+    (root / "b" / "cc").symlink_to(root / "c" / "sub", target_is_directory=True)
+    (root / "b" / "own").symlink_to(root / "b", target_is_directory=True)  # same class: a loop
+    (root / "Rose").symlink_to("roses", target_is_directory=True)  # sorts before "roses"
+    (root / "all").symlink_to(".", target_is_directory=True)
+    (root / "日本").symlink_to(outside, target_is_directory=True)  # outside: a class as before
+    (root / "a" / "x.jpg").symlink_to("../b/01.jpg")  # "a" sorts first
+    (root / "a" / "out.jpg").symlink_to(write_jpeg(tmp_path / "elsewhere" / "x.jpg", 9))
+    scan = scan_image_folder(str(root))
+    assert scan.classes == ["a", "b", "c", "roses", "日本"] and not scan.dropped_classes
+    assert scan.images == [
+        [str(root / "a" / n) for n in ("00.jpg", "01.jpg", "out.jpg")],
+        [str(root / "b" / n) for n in ("00.jpg", "01.jpg")],
+        [str(root / "c" / n) for n in ("00.jpg", "01.jpg", "sub/00.jpg")],
+        [str(root / "roses" / n) for n in ("00.jpg", "01.jpg")],
+        [str(root / "日本" / n) for n in ("00.jpg", "01.jpg")]]
+    assert scan.skipped == [
+        (str(root / "Rose"), "link into class roses"),
+        (str(root / "a" / "x.jpg"), "link into class b"),
+        (str(root / "all"), "link to the data folder"),
+        (str(root / "b" / "cc"), "link into class c"),
+        (str(root / "b" / "own"), f"duplicate (same folder as {root / 'b'})"),
+        (str(root / "b" / "up"), "link to the data folder")]
+    assert "2 links to the data folder" in scan.summary()
+
+
+@pytest.mark.parametrize("twin", ["cat ", " cat", "ca\u200bt", "\ufeffcat", "\uff43\uff41\uff54"])
+def test_class_folder_names_that_look_the_same_are_refused(tmp_path, twin):
+    """Trailing space, zero-width space, BOM, full-width letters: two classes nobody can tell
+    apart, as with NFC/NFD."""
+    root = tmp_path / "data"
+    make_class(root / "cat", 2, 1)
+    make_class(root / twin, 2, 2)
+    make_class(root / "Cat", 2, 3)  # another case is visibly another name
+    names = sorted(["cat", twin], key=lambda n: unicodedata.normalize("NFC", n))
+    with pytest.raises(DataError) as err:
+        scan_image_folder(str(root))
+    assert str(err.value) == (
+        f"class folders {ascii(names[0])} and {ascii(names[1])} in {root} look the same (they "
+        "differ only in spaces at the ends, invisible characters or character forms such as "
+        "full-width letters), so they would be two classes nobody can tell apart; move the "
+        "images of one into the other, or rename one.")
+
+
+def test_jfif_and_jpe_files_are_read_as_jpeg(tmp_path):
+    root = two_class_data(tmp_path / "data", 1)
+    jpeg = (root / "a" / "00.jpg").read_bytes()
+    for name in ("b/photo.JFIF", "b/photo.jpe"):
+        (root / name).write_bytes(jpeg)
+    scan = scan_image_folder(str(root))
+    assert not scan.skipped
+    assert scan.images[1] == [str(root / "b" / n) for n in ("00.jpg", "photo.JFIF", "photo.jpe")]
+    expected = load_image_tensor(str(root / "a" / "00.jpg"))
+    for path in scan.images[1][1:]:
+        assert torch.equal(load_image_tensor(path), expected)
+        assert torch.equal(v2.functional.pil_to_tensor(load_pil_image(path)), expected)
 
 
 def test_split_keeps_every_file_on_its_side_when_the_data_changes():
@@ -1077,7 +1178,7 @@ def test_torchrun_trains_through_messy_folder(messy, tmp_path):
     # Summary once (rank 0 only), with counts, each skipped file once, dropped class named.
     assert out.count("20 images in 4 classes") == 1, out[-4000:]
     assert out.count("skipped 8 file(s): 1 dangling link, 1 empty file, 2 hidden files, "
-                     "3 not a readable image, 1 not an image extension") == 1, out[-4000:]
+                     "3 not readable images, 1 not an image extension") == 1, out[-4000:]
     for p in (messy / "red rose" / "corrupt.jpg", messy / "café" / "dangling.jpg"):
         assert out.count(f"skipped {p}:") == 1
     assert out.count("dropped 1 class folder(s) with no usable image: empty") == 1
@@ -1114,11 +1215,38 @@ def test_dataset_paths_read_like_a_list_of_the_names_given(tmp_path):
     assert type(MyDataSet([str(good)], [7], decoder="tensor")[0][1]) is int  # as the template
 
 
-def test_skip_counts_read_as_english():
-    """Counts now stand in error messages too: short nouns take a plural, phrases do not."""
+def test_skip_counts_read_as_english(tmp_path):
+    """Counts stand in the summary and in error messages: the thing counted takes its plural
+    (the log said "35 image in the data root"); a reason with nothing to count is a label."""
     from utils import _counted
 
-    assert [_counted(2, "hidden file"), _counted(1, "empty file"), _counted(3, "duplicate"),
-            _counted(2, "not a regular file"), _counted(2, "not a readable image")] == [
-        "2 hidden files", "1 empty file", "3 duplicates", "2 not a regular file",
-        "2 not a readable image"]
+    reasons = {  # every short reason the scan gives -> that reason counted twice
+        "hidden file": "2 hidden files",
+        "hidden folder": "2 hidden folders",
+        "empty file": "2 empty files",
+        "dangling link": "2 dangling links",
+        "dangling link or missing file": "2 dangling links or missing files",
+        "duplicate": "2 duplicates",
+        "image in the data root, not in a class folder":
+            "2 images in the data root, not in a class folder",
+        "image too large": "2 images too large",
+        "image has no pixels": "2 images have no pixels",
+        "link into class roses": "2 links into class roses",
+        "link to the data folder": "2 links to the data folder",
+        "unreadable folder": "2 unreadable folders",
+        "not a regular file": "2 not regular files",
+        "not a readable image": "2 not readable images",
+        "file name is not valid UTF-8; rename it": "2 file names are not valid UTF-8; rename them",
+        "folder name is UTF-8, but this Python reads file names as ascii; run it with "
+        "PYTHONUTF8=1": "2 folder names are UTF-8, but this Python reads file names as ascii; "
+                        "run it with PYTHONUTF8=1",
+        "not an image extension": "2 not an image extension",
+        "permission denied": "2 permission denied",
+    }
+    assert {r: _counted(2, r) for r in reasons} == reasons
+    assert {r: _counted(1, r) for r in reasons} == {r: f"1 {r}" for r in reasons}
+    root = two_class_data(tmp_path / "data", 2)
+    for i in range(35):
+        write_jpeg(root / f"stray{i:02d}.jpg", i)
+    summary = scan_image_folder(str(root)).summary()
+    assert "skipped 35 file(s): 35 images in the data root, not in a class folder\n" in summary
