@@ -57,7 +57,8 @@ from my_dataset import MyDataSet
 from utils import (STARTED_FROM, DataError, FolderScan, default_demo_root, find_run_file,
                    get_transforms, make_demo_data, missing_glyphs_ignored, path_flag,
                    label_by_class_name, plot_class_distribution, run_args_near, same_bytes,
-                   scan_image_folder, short_list, split_key, split_train_val, write_json_atomic)
+                   scan_image_folder, short_list, split_key, split_train_val, tick_label,
+                   write_json_atomic)
 
 log = logging.getLogger("train")
 
@@ -2250,14 +2251,16 @@ def _confusion_figure(result: EvalResult, classes: list[str]) -> Any:
     import matplotlib.pyplot as plt
 
     cm, n = result.confusion.numpy(), len(classes)
-    # Half an inch per class up to 12 inches (1200 px), then the cells shrink: the figure of
-    # 1000 classes would otherwise be 50,000 px square and take tens of GB to draw.
-    side = min(1 + 0.5 * n, 12)
+    names = [tick_label(c) for c in classes]
+    # Half an inch per class, plus room for the names (0.1 inch a character), up to 12 inches
+    # (1200 px), then the cells shrink: the figure of 1000 classes would otherwise be 50,000 px
+    # square and take tens of GB to draw.
+    side = min(1 + 0.5 * n + 0.1 * max(map(len, names)) * (n <= CONFUSION_NAMES), 12)
     fig, ax = plt.subplots(figsize=(side, side))
     ax.imshow(cm, cmap="Blues", interpolation="nearest")
     if n <= CONFUSION_NAMES:
-        ax.set_xticks(range(n), classes, rotation=90)
-        ax.set_yticks(range(n), classes)
+        ax.set_xticks(range(n), names, rotation=90)
+        ax.set_yticks(range(n), names)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     if n <= CONFUSION_COUNTS:  # a count per cell while it still fits

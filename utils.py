@@ -633,6 +633,12 @@ def missing_glyphs_ignored() -> Iterator[None]:
         yield
 
 
+def tick_label(name: str, width: int = 24) -> str:
+    """A class name short enough for a plot's axis: a 200-character name took the whole figure
+    (tight_layout gave up with a warning, and the plot was clipped)."""
+    return name if len(name) <= width else name[:width - 1] + "\u2026"
+
+
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     """Bar chart of images per class, saved as PNG (headless)."""
     import matplotlib
@@ -647,8 +653,9 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
         ax.bar_label(bars)
         ax.margins(y=0.12)  # room for the tallest bar's count below the title
         # About 7 characters fit under a bar at 0.6 inch: longer names are slanted, not overlapped.
-        slant = len(counts) > 6 or max(map(len, scan.classes)) > 7
-        ax.set_xticks(range(len(counts)), scan.classes, rotation=45 if slant else 0,
+        names = [tick_label(c) for c in scan.classes]
+        slant = len(counts) > 6 or max(map(len, names)) > 7
+        ax.set_xticks(range(len(counts)), names, rotation=45 if slant else 0,
                       ha="right" if slant else "center")
     ax.set_xlabel("image class")
     ax.set_ylabel("number of images")

@@ -129,6 +129,24 @@ def test_class_names_in_any_script_plot_without_glyph_warnings(tmp_path):
         assert img.format == "PNG"
 
 
+def test_a_class_name_of_200_characters_is_shortened_on_the_plots(tmp_path):
+    """It took the whole figure: tight_layout gave up with a warning, the plot was clipped."""
+    from multi_train_utils.train_eval_utils import EvalResult
+    from train_common import _confusion_figure
+    from utils import FolderScan, plot_class_distribution
+
+    long = "x" * 200
+    scan = FolderScan(root=str(tmp_path), classes=[long, "daisy"], images=[["a"], ["b", "c"]])
+    result = EvalResult(2, top5_correct=2, num_samples=2, loss_sum=0.0,
+                        confusion=torch.eye(2, dtype=torch.int64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Tight layout not applied"
+        plot_class_distribution(scan, tmp_path / "classes.png")
+        fig = _confusion_figure(result, [long, "daisy"])
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == ["x" * 23 + "\u2026", "daisy"]
+
+
 def test_class_distribution_of_many_classes_stays_a_readable_size(tmp_path):
     from utils import FolderScan, plot_class_distribution
 
