@@ -53,7 +53,7 @@ from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, 
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EvalResult, common_amp_dtype, evaluate,
                                                resolve_amp_dtype, train_one_epoch)
-from my_dataset import MyDataSet
+from my_dataset import MyDataSet, printable_path
 from utils import (STARTED_FROM, DataError, FolderScan, default_demo_root, find_run_file,
                    get_transforms, make_demo_data, missing_glyphs_ignored, path_flag,
                    label_by_class_name, plot_class_distribution, run_args_near, same_bytes,
@@ -2273,8 +2273,9 @@ def _confusion_figure(result: EvalResult, classes: list[str]) -> Any:
 def _report_eval(result: EvalResult, classes: list[str]) -> None:
     seen = result.confusion.sum(1).tolist()  # images per true class in the validation split
     lines = ["accuracy per class:"]
-    lines += [f"  {name}: {acc:.4f} ({n} image{'s' * (n != 1)})" if n else
-              f"  {name}: n/a (no validation images)"
+    # printable_path: a tab or line break in a class name would break the column of names
+    lines += [f"  {printable_path(name)}: {acc:.4f} ({n} image{'s' * (n != 1)})" if n else
+              f"  {printable_path(name)}: n/a (no validation images)"
               for name, acc, n in zip(classes, result.per_class_acc, seen)]
     # The summary comes last, so a long class list does not scroll it away.
     lines += [f"val images: {result.num_samples}", f"top-1 accuracy: {result.top1:.4f}"]

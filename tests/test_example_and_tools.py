@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -145,6 +146,17 @@ def test_a_class_name_of_200_characters_is_shortened_on_the_plots(tmp_path):
         fig = _confusion_figure(result, [long, "daisy"])
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert labels == ["x" * 23 + "\u2026", "daisy"]
+
+
+def test_per_class_accuracy_lines_escape_a_tab_in_a_class_name(caplog):
+    from multi_train_utils.train_eval_utils import EvalResult
+    from train_common import _report_eval
+
+    result = EvalResult(2, top5_correct=2, num_samples=2, loss_sum=0.0,
+                        confusion=torch.eye(2, dtype=torch.int64))
+    with caplog.at_level(logging.INFO):
+        _report_eval(result, ["red\trose", "daisy"])
+    assert "\n  red\\trose: 1.0000 (1 image)\n  daisy: 1.0000 (1 image)\n" in caplog.text
 
 
 def test_class_distribution_of_many_classes_stays_a_readable_size(tmp_path):
