@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import functools
 import gc
@@ -758,7 +759,19 @@ def _scan_on_rank0(root: str, verify: bool, info: DistInfo, min_classes: int) ->
     _waiting_for = None
     if isinstance(result, (DataError, OSError)):
         raise result
-    return result
+    return _rebased(result, root)
+
+
+def _rebased(scan: FolderScan, root: str) -> FolderScan:
+    """``scan`` (rank 0's) with its images' paths below this machine's ``root``: the data set
+    may sit elsewhere on each machine (rank 1 read rank 0's paths, which fail where the mount
+    points differ, so that machine trained on nothing)."""
+    old, new = os.path.join(scan.root, ""), os.path.join(root, "")
+    if old == new:
+        return scan
+    return dataclasses.replace(scan, root=root, images=[
+        [new + path[len(old):] if path.startswith(old) else path for path in paths]
+        for paths in scan.images])
 
 
 PREFETCH_FACTOR = 4  # batches each DataLoader worker keeps in flight
@@ -1751,8 +1764,10 @@ def _check_same_flags(args: argparse.Namespace, info: DistInfo) -> None:
     ranks other step counts, and they wait on each other until --dist-timeout."""
     if not info.distributed:
         return
-    flags = all_gather_object({key: value for key, value in _jsonable(args).items()
-                               if key not in PER_MACHINE_FLAGS})
+    # Where --val-path is may differ; whether there is one decides the collectives (a scan).
+    flags = all_gather_object({**{key: value for key, value in _jsonable(args).items()
+                                  if key not in PER_MACHINE_FLAGS},
+                               "val_path": "given" if args.val_path else "not given"})
     differ = []
     for key in sorted(flags[0]):
         values = [rank_flags.get(key) for rank_flags in flags]

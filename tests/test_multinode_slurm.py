@@ -751,6 +751,39 @@ def test_ranks_started_with_other_training_flags_stop_with_one_line(tmp_path):
     # --resume decides which collectives a rank makes (none skips the checkpoint search).
     got = run_ranks(_flags_worker, 2, tmp_path / "resume", [base, [*base, "--resume", "none"]])
     assert "(--resume auto on rank 0 but none on rank 1)" in got[0] and got[0] == got[1]
+    # A --val-path on one machine only: rank 0 waited in a scan rank 1 never made, 30 minutes.
+    got = run_ranks(_flags_worker, 2, tmp_path / "val", [[*base, "--val-path", "/v"], base])
+    assert "(--val-path given on rank 0 but not given on rank 1)" in got[0] and got[0] == got[1]
+    got = run_ranks(_flags_worker, 2, tmp_path / "vals", [[*base, "--val-path", "/v"],
+                                                           [*base, "--val-path", "/mnt/v"]])
+    assert got == [None, None]
+
+
+def _scan_worker(rank: int, world: int, roots: list[str]) -> list[list[str]]:
+    import train_common
+    from multi_train_utils.distributed_utils import DistInfo
+
+    scan = train_common._scan_on_rank0(roots[rank], False, DistInfo(rank=rank, world_size=world),
+                                       2)
+    return [scan.root, *scan.images]
+
+
+def test_each_machine_reads_the_images_below_its_own_data_path(tmp_path, tiny_data):
+    """Rank 0 scans and hands every rank the list: by the paths below its own --data-path, so
+    a data set mounted elsewhere on a machine is read there (it read rank 0's paths, failed on
+    every file, and that machine trained on placeholders, saying only skip-log lines)."""
+    import shutil
+
+    from dist_helpers import run_ranks
+
+    copy = tmp_path / "mnt" / "flowers"
+    shutil.copytree(tiny_data, copy)
+    got = run_ranks(_scan_worker, 2, tmp_path / "ranks", [str(tiny_data), f"{copy}/"])
+    assert got[0][0] == str(tiny_data) and got[1][0] == f"{copy}/"
+    mine, theirs = got[0][1:], got[1][1:]
+    assert [len(c) for c in mine] == [len(c) for c in theirs] == [12] * 5
+    for a, b in zip(sum(mine, []), sum(theirs, [])):
+        assert Path(a).relative_to(tiny_data) == Path(b).relative_to(copy) and Path(b).is_file()
 
 
 def _backend_worker(rank: int, world: int, backends: list[str], prefix: str) -> str | None:
