@@ -1515,7 +1515,14 @@ def _old_split(ckpt: dict[str, Any]) -> bool:
 def _check_split(ckpt: dict[str, Any], path: str, args: argparse.Namespace, *, warn: bool,
                  val_split: str | None) -> None:
     """Refuse to resume on another train/validation split; say what an evaluation scores."""
-    redrawn = _redrawn(ckpt.get("args", {}), args)
+    saved = ckpt.get("args", {})
+    if args.val_path and saved and not saved.get("val_path") and not args.eval_only:
+        raise CheckpointError(f"{path} was trained without --val-path, validating on a "
+                              f"--val-rate {saved.get('val_rate')} split of its data: with "
+                              "--val-path it would train on those validation images and pick "
+                              "model_best across two validation sets; resume without --val-path, "
+                              "or start over with --resume none or another --output-dir.")
+    redrawn = _redrawn(saved, args)
     if redrawn and not args.eval_only:
         raise CheckpointError(f"{path} was trained with {', '.join(redrawn)}: another value "
                               "draws another train/validation split, so validation would include "

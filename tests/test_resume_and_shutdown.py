@@ -1926,6 +1926,13 @@ def test_an_already_split_data_set_trains_and_is_scored_with_val_path(tmp_path, 
     code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
     assert code == 2 and (f"error: {out / 'checkpoint.pth'} was trained with --val-path {val}: "
                           "another value draws another train/validation split") in err, err[-3000:]
+    code, err = train_here(flags(tiny_data, tmp_path / "split", "--epochs", "1"))
+    assert code == 0, err[-3000:]
+    code, err = train_here(flags(tiny_data, tmp_path / "split", "--epochs", "2",
+                                 "--val-path", str(val)))  # and the other way round
+    assert code == 2 and (f"was trained without --val-path, validating on a --val-rate 0.2 split "
+                          "of its data: with --val-path it would train on those validation "
+                          "images and pick model_best across two validation sets") in err, err
     code, err = train_here([*TINY_FLAGS, "--eval-only", "--resume", str(out / "checkpoint.pth"),
                             "--val-path", str(val)])
     assert code == 0, err[-3000:]
