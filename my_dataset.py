@@ -303,20 +303,26 @@ class MyDataSet(Dataset):
         return self._placeholder(), IGNORE_INDEX
 
     def _candidates(self, item: int) -> Iterator[int]:
-        """``item``, then (``replace_unreadable``) random samples of its class, then of any, not
-        known to be unreadable: drawn from ``(seed, epoch, item)``, so a resumed run replays
-        them. Random, not the next in the list: unreadable files come in runs (a failed
-        download), and one neighbour standing in for all of them trained as a tenth of the
-        class. A failed read marks its file, so an epoch reads each unreadable one about once."""
+        """``item``, then (``replace_unreadable``) the samples of its class, then of any, in an
+        order drawn from ``(seed, epoch, item)``, leaving out those known to be unreadable: the
+        stand-in is the first readable one, whichever of the others were found unreadable
+        before, so a resumed run replays it. Drawn, not the next in the list: unreadable files
+        come in runs (a failed download), and one neighbour standing in for all of them trained
+        as a tenth of the class. A failed read marks its file: an epoch reads each about once."""
         known = self._reported.numpy()  # a view of the shared flags, as workers set them
         if not known[item]:
             yield item
         if not self.replace_unreadable:
             return
-        rng = np.random.default_rng([self.seed or 0, int(self._epoch[0]), item])
-        for pool in (self.images_class == self.images_class[item], None):
-            while (free := np.flatnonzero(~known if pool is None else ~known & pool)).size:
-                yield int(rng.choice(free))  # its read may fail and mark it: draw again
+        rng = np.random.default_rng([(self.seed or 0) % 2**63, int(self._epoch[0]), item])
+        same = np.flatnonzero(self.images_class == self.images_class[item])
+        for pool in (same, None):
+            order = rng.permutation(pool if pool is not None else len(self))
+            for start in range(0, len(order), 4096):  # a bad file need not sort a million
+                window = order[start:start + 4096]
+                for other in window[~known[window]]:
+                    if not known[other]:  # marked by a failed read since the window was cut
+                        yield int(other)
 
     def _report(self, path: str, exc: Exception) -> None:
         detail = str(exc).splitlines()[0][:120].replace("\t", " ") if str(exc) else ""

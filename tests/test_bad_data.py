@@ -829,6 +829,14 @@ def test_a_training_set_replaces_unreadable_images_by_readable_ones_of_their_cla
     # drawn at random among the 3 readable files of class 0, not one neighbour for all
     assert set(stand_ins[0]) == {str(goods[0]), str(goods[1]), str(goods[2])}
     assert stand_ins[1] != stand_ins[0]  # and anew each epoch
+    # The same whichever unreadable files were met before (a resumed run knows none yet).
+    for epoch in (2, 0):
+        fresh = MyDataSet(paths, labels, decoder="tensor", seed=0, replace_unreadable=True,
+                          report_errors=False)
+        fresh.set_epoch(epoch)
+        images = [fresh[i][0] for i in reversed(range(1, 31))]  # in another order, too
+        assert [by_image[tuple(img.flatten()[:64].tolist())] for img in images[::-1]
+                ] == stand_ins[epoch]
     assert len([p for p in reads if p in bad]) == 40  # each unreadable file read once
     assert sorted(Path(line.split("\t")[0]).name for line in log_file.read_text().splitlines()
                   ) == sorted(Path(p).name for p in bad)
