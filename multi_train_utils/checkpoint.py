@@ -152,9 +152,14 @@ def _zip_damage(path: str | os.PathLike) -> str | None:
     return f"{bad} fails its CRC check" if bad else None
 
 
-def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+# What a wrapper keeps beside the model's own tensors: AveragedModel's (EMA) update count.
+WRAPPER_KEYS = frozenset({"n_averaged"})
+
+
+def extract_state_dict(obj: Any, path: str | os.PathLike, *, strip: bool = True
+                       ) -> dict[str, torch.Tensor]:
     """The model state dict inside ``obj`` (a bare state dict or a checkpoint with ``model``),
-    without any ``module.`` / ``_orig_mod.`` prefixes."""
+    without the ``module.`` / ``_orig_mod.`` prefixes of wrappers (``strip``)."""
     # "model" (ours, torchvision's references), "state_dict" (Lightning), "model_state_dict"
     # (the PyTorch tutorial's general checkpoint)
     for key in ("model", "state_dict", "model_state_dict"):
@@ -168,7 +173,7 @@ def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Ten
     # A wrapper (DDP's "module.", torch.compile's "_orig_mod.") prefixes every key; a model's
     # own submodule called "module" prefixes only its own, and keeps its name.
     prefix = re.compile(r"(module\.|_orig_mod\.)")
-    while all(prefix.match(k) for k in obj):
+    while strip and all(prefix.match(k) for k in obj.keys() - WRAPPER_KEYS):
         obj = {prefix.sub("", k, count=1): v for k, v in obj.items()}
     return dict(obj)
 
@@ -178,11 +183,19 @@ def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, source: 
     """Load the tensors of ``path`` whose names and shapes fit ``model`` (e.g. all but a new
     classifier head), except names starting with ``leave_out``; ``source``: the file's content
     when already loaded. Returns (skipped keys of the file, model keys left as initialised)."""
-    state = extract_state_dict(load_file(path) if source is None else source, path)
+    source = load_file(path) if source is None else source
     model = unwrap(model)  # the file's names are the bare model's
     own = model.state_dict()
-    fitting = {k: v for k, v in state.items()
-               if k in own and own[k].shape == v.shape and not k.startswith(leave_out)}
+
+    def fitting_part(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in state.items()
+                if k in own and own[k].shape == v.shape and not k.startswith(leave_out)}
+
+    state = extract_state_dict(source, path)
+    fitting = fitting_part(state)
+    if not fitting:  # a model whose only child is called "module" names its own tensors so
+        state = extract_state_dict(source, path, strip=False)
+        fitting = fitting_part(state)
     if not fitting:
         raise CheckpointError(f"no tensor in {path} matches the model by name and shape; is it "
                               "weights for another architecture?")

@@ -363,6 +363,19 @@ def test_weights_load_by_the_bare_models_names_whatever_wraps_either_side(tmp_pa
                        ("w.pth", torch.compile(Holder()))):
         assert load_matching_weights(into, tmp_path / file) == ([], []), file
         assert torch.equal(unwrap(into).module.weight, saved.module.weight), file
+    # EMA weights: AveragedModel keeps its update count beside the "module." tensors
+    ema = torch.optim.swa_utils.AveragedModel(saved)
+    save_atomic(ema.state_dict(), tmp_path / "ema.pth")
+    into = Holder()
+    assert load_matching_weights(into, tmp_path / "ema.pth") == (["n_averaged"], [])
+    assert torch.equal(into.head.weight, saved.head.weight)
+    lone = nn.Sequential()
+    lone.module = nn.Linear(4, 2)  # its only child is called "module": every key has it
+    save_atomic(lone.state_dict(), tmp_path / "lone.pth")
+    again = nn.Sequential()
+    again.module = nn.Linear(4, 2)
+    assert load_matching_weights(again, tmp_path / "lone.pth") == ([], [])
+    assert torch.equal(again.module.weight, lone.module.weight)
 
 
 def test_a_checkpoint_that_cannot_be_read_says_why(tmp_path, monkeypatch):
