@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import stat
 import sys
@@ -267,7 +268,9 @@ def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
         try:
             os.stat(path)  # a link to a file is no class; one to nothing may have been a class
         except OSError as exc:
-            if name.lower().endswith(IMG_EXTENSIONS):  # a loose image: no class either way
+            # A loose image or another file's name (labels.csv): no class either way.
+            if name.lower().endswith(IMG_EXTENSIONS) or re.fullmatch(
+                    r".+\.[A-Za-z][A-Za-z0-9]{0,4}", name):
                 skipped.append((path, "dangling link"))
                 continue
             raise DataError(_dead_class_link(root, name, exc)) from None

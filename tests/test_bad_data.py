@@ -590,13 +590,16 @@ def test_a_class_folder_linked_to_storage_that_is_not_there_is_a_data_error(tmp_
     nas = tmp_path / "nas" / "roses"  # the share, not mounted
     (root / "roses").symlink_to(nas, target_is_directory=True)
     (root / ".old").symlink_to(tmp_path / "gone")  # hidden: ignored, as hidden folders are
+    (root / "labels.csv").symlink_to(tmp_path / "gone.csv")  # a file's name: listed, no error
     with pytest.raises(DataError) as err:
         scan_image_folder(str(root))
     assert str(err.value) == (
         f"class folder roses in {root} is a link to {nas}, which does not exist (storage not "
         "mounted?); mount it, or remove the link to train without that class.")
     make_class(nas, 2, 3)  # mounted
-    assert scan_image_folder(str(root)).classes == ["a", "b", "roses"]
+    scan = scan_image_folder(str(root))
+    assert scan.classes == ["a", "b", "roses"]
+    assert scan.skipped == [(str(root / "labels.csv"), "dangling link")]
     (root / "loop").symlink_to("loop")
     with pytest.raises(DataError, match=r"^class folder loop in .* is a link to .*loop, which "
                                         r"cannot be reached \(it loops back to itself\);"):
