@@ -871,6 +871,9 @@ def _build_data(args: argparse.Namespace, info: DistInfo, out: Path
     """Scan, split and load. The second scan is that of a separate --val-path folder when
     training (None without one); an evaluation scans only the folder it scores."""
     root = args.val_path if args.eval_only and args.val_path else args.data_path
+    if args.eval_only and args.val_path and args.data_path and info.is_main:
+        log.warning("--eval-only scores the --val-path folder %s; --data-path %s is not read.",
+                    args.val_path, args.data_path)
     if root is None:
         demo = args.demo_dir or default_demo_root()
         try:

@@ -639,7 +639,11 @@ def missing_glyphs_ignored() -> Iterator[None]:
 def tick_label(name: str, width: int = 24) -> str:
     """A class name short enough for a plot's axis: a 200-character name took the whole figure
     (tight_layout gave up with a warning, and the plot was clipped)."""
-    return name if len(name) <= width else name[:width - 1] + "\u2026"
+    # Both ends: names that differ only in their ends (…_male, …_female) stay apart.
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return name[:head] + "\u2026" + name[len(name) - (width - 1 - head):]
 
 
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:

@@ -120,9 +120,12 @@ def _read_env() -> tuple[int, int, int] | None:
     else:
         partial = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in os.environ]
         if partial:  # two such processes would each train alone, as rank 0, on one output
-            log.warning("%s set, but not both RANK and WORLD_SIZE: this process runs alone, in "
-                        "no process group; start the processes with torchrun, or unset %s.",
-                        " and ".join(partial), "it" if len(partial) == 1 else "them")
+            unset = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+            log.warning("%s %s set but %s not: this process runs alone, in no process group; "
+                        "start the processes with torchrun, or unset %s.", " and ".join(partial),
+                        "is" if len(partial) == 1 else "are", " and ".join(unset) + " is" * (
+                            len(unset) == 1) + " are" * (len(unset) > 1),
+                        "it" if len(partial) == 1 else "them")
         return None
     rank, _, world_size = env
     if not 0 <= rank < world_size:
@@ -301,9 +304,10 @@ def init_distributed_mode(args: Any = None, *, device: str | None = None,
 
 def _parse_device(device: str) -> tuple[str, int | None]:
     """``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` as (kind, index or None)."""
-    kind, colon, index = device.partition(":")
-    if kind in ("auto", "cpu", "cuda") and not colon or kind == "cuda" and index.isdigit():
-        return kind, int(index) if colon else None
+    if device in ("auto", "cpu", "cuda"):
+        return device, None
+    if match := re.fullmatch(r"cuda:([0-9]+)", device):
+        return "cuda", int(match.group(1))
     raise ValueError(f"device {device!r} is not one of auto, cpu, cuda or cuda:N (the backend "
                      "follows it: NCCL on CUDA, gloo on CPU).")
 

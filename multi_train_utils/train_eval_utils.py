@@ -369,9 +369,10 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     for batch in progress:
         images, labels = _inputs_and_labels(batch, "evaluate")
         if labels.is_floating_point():
-            raise ValueError(f"evaluate needs class indices (N,) as labels, got float labels of "
-                             f"shape {tuple(labels.shape)}; give it a val loader without one-hot "
-                             "or mixed labels (labels.argmax(1) are the indices).")
+            raise ValueError(f"evaluate needs class indices (N,) as labels, got class "
+                             f"probabilities of shape {tuple(labels.shape)}; give it a val loader "
+                             "without one-hot or mixed labels (labels.argmax(1) are the "
+                             "indices).")
         size = labels.shape[0]
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)

@@ -815,7 +815,7 @@ def test_batches_evaluate_cannot_use_are_one_sentence():
         train_one_epoch(model, optimizer, floats, CPU, 0)
     soft = DataLoader(TensorDataset(images, F.one_hot(labels, 4).float()), batch_size=3)
     with pytest.raises(ValueError, match=r"^evaluate needs class indices \(N,\) as labels, got "
-                                         r"float labels of shape \(3, 4\)"):
+                                         r"class probabilities of shape \(3, 4\)"):
         evaluate(model, soft, CPU)
     gray = DataLoader(TensorDataset(torch.zeros(6, 1, 6, 6, dtype=torch.uint8), labels),
                       batch_size=3)

@@ -935,7 +935,7 @@ def test_a_device_string_is_checked_and_its_gpu_index_used_by_one_process(slurm_
     with pytest.raises(distributed_utils.LaunchError, match=re.escape(
             "--device cuda:2 was asked for, but only 2 GPU(s) are visible")):
         init(device="cuda:2")
-    for bad in ("mps", "gpu", "cuda:x", "cpu:0"):
+    for bad in ("mps", "gpu", "cuda:x", "cpu:0", "cuda:\u00b2"):
         with pytest.raises(ValueError, match=re.escape(f"device '{bad}' is not one of auto, cpu, "
                                                        "cuda or cuda:N")):
             init(device=bad)
@@ -952,9 +952,8 @@ def test_half_a_launch_environment_is_said_not_ignored(slurm_env, caplog):
     slurm_env.setenv("LOCAL_RANK", "1")
     info = distributed_utils.init_distributed_mode(device="cpu")
     assert (info.rank, info.world_size) == (0, 1)
-    assert ("WORLD_SIZE and LOCAL_RANK set, but not both RANK and WORLD_SIZE: this process runs "
-            "alone, in no process group; start the processes with torchrun, or unset them."
-            ) in caplog.messages
+    assert ("WORLD_SIZE and LOCAL_RANK are set but RANK is not: this process runs alone, in no "
+            "process group; start the processes with torchrun, or unset them.") in caplog.messages
 
 
 def test_torchrun_with_more_processes_than_gpus_stops_every_rank(slurm_env, fake_gpus):

@@ -1946,9 +1946,11 @@ def test_an_already_split_data_set_trains_and_is_scored_with_val_path(tmp_path, 
     assert code == 2 and (f"was trained without --val-path, validating on a --val-rate 0.2 split "
                           "of its data: with --val-path it would train on those validation "
                           "images and pick model_best across two validation sets") in err, err
-    code, err = train_here([*TINY_FLAGS, "--eval-only", "--resume", str(out / "checkpoint.pth"),
-                            "--val-path", str(val)])
+    code, err = train_here(flags(tiny_data, out, "--eval-only", "--resume",
+                                 str(out / "checkpoint.pth"), "--val-path", str(val)))
     assert code == 0, err[-3000:]
+    assert (f"--eval-only scores the --val-path folder {val}; --data-path {tiny_data} is not "
+            "read.") in err
     assert "val images: 5" in err and re.search(r"  daisy: \d\.\d{4} \(2 images\)\n", err)
     assert re.search(r"  tulips: \d\.\d{4} \(3 images\)\n", err), err[-2000:]
     assert "  roses: n/a (no validation images)" in err
