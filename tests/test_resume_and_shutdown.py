@@ -1943,7 +1943,7 @@ def test_an_already_split_data_set_trains_and_is_scored_with_val_path(tmp_path, 
     assert code == 0, err[-3000:]
     code, err = train_here(flags(tiny_data, tmp_path / "split", "--epochs", "2",
                                  "--val-path", str(val)))  # and the other way round
-    assert code == 2 and (f"was trained without --val-path, validating on a --val-rate 0.2 split "
+    assert code == 2 and ("was trained without --val-path, validating on a --val-rate 0.2 split "
                           "of its data: with --val-path it would train on those validation "
                           "images and pick model_best across two validation sets") in err, err
     code, err = train_here(flags(tiny_data, out, "--eval-only", "--resume",
