@@ -315,6 +315,13 @@ def _parse_device(device: str) -> tuple[str, int | None]:
 def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
     device, index = _parse_device(device)
     env = _read_env()
+    if is_dist_avail_and_initialized():  # called again (by a helper, say): the group there is
+        local_rank = env[1] if env else 0
+        return DistInfo(rank=dist.get_rank(), local_rank=local_rank,
+                        world_size=dist.get_world_size(),
+                        device=_pick_device(device, index if env is None and index is not None
+                                            else local_rank),
+                        backend=dist.get_backend())
     if env is None:  # one process: cuda:N is GPU N
         if index is not None and torch.cuda.is_available() and index >= torch.cuda.device_count():
             raise LaunchError(f"--device cuda:{index} was asked for, but only "

@@ -601,6 +601,20 @@ def _reduce_worker(rank: int, world: int) -> dict:
                 big=big, counts=counts)
 
 
+def _init_again_worker(rank: int, world: int) -> tuple:
+    from multi_train_utils.distributed_utils import init_distributed_mode
+
+    info = init_distributed_mode(device="cpu")  # the group exists already (made by run_ranks)
+    return info.rank, info.world_size, info.backend, str(info.device)
+
+
+def test_init_distributed_mode_called_again_describes_the_group_there_is(tmp_path):
+    """A second call (a helper that initialises too) raised torch's "trying to initialize the
+    default process group twice!" under torchrun, and called itself a lone process elsewhere."""
+    got = run_ranks(_init_again_worker, 2, tmp_path)
+    assert got == [(0, 2, "gloo", "cpu"), (1, 2, "gloo", "cpu")]
+
+
 def test_reduce_value_mean_and_sum_on_every_rank(tmp_path):
     for rank, got in enumerate(run_ranks(_reduce_worker, 3, tmp_path)):
         assert torch.equal(got["mean"], torch.tensor([2.0, 20.0], dtype=torch.float64)), rank
