@@ -10,9 +10,9 @@ Two decoders:
 
 Either way EXIF orientation is applied, grayscale/palette/RGBA/CMYK/16-bit and 32-bit int/float
 (TIFF) become 8-bit RGB, and a file that cannot be decoded does not crash the DataLoader worker:
-it is reported once (a warning and, with ``skip_log``, a line in the run's ``skipped_files.txt``)
-and replaced by a readable sample of its class (training) or by a black image with label ``-100``,
-which ``nn.CrossEntropyLoss`` and our ``evaluate`` ignore.
+it is reported (a warning from each rank that meets it, and, with ``skip_log``, one line in the
+run's ``skipped_files.txt``) and replaced by a readable sample of its class (training) or by a
+black image with label ``-100``, which ``nn.CrossEntropyLoss`` and our ``evaluate`` ignore.
 """
 
 from __future__ import annotations
