@@ -1199,7 +1199,8 @@ def _check_bare_weights(args: argparse.Namespace, trained_on: list[str] | None,
                     args.weights)
     elif trained_on is not None and trained_on != classes:
         raise CheckpointError(_class_mismatch(args.weights, trained_on, classes,
-                                              EVAL_REDO))
+                                              "evaluate it on the data it was trained on",
+                                              evaluating=True))
 
 
 def _weights_classes(path: str, source: Any, *, warn: bool = False) -> list[str] | None:
@@ -1289,15 +1290,13 @@ def _score_against_trained_classes(path: str, classes: list[str], val_set: MyDat
     return trained
 
 
-EVAL_REDO = "evaluate it on the data it was trained on"
-
-
-def _class_mismatch(path: str, trained_on: list[str], classes: list[str], redo: str) -> str:
+def _class_mismatch(path: str, trained_on: list[str], classes: list[str], redo: str, *,
+                    evaluating: bool = False) -> str:
     """Why ``classes`` cannot go with weights trained on ``trained_on``; ``redo`` says what to do
     instead. An evaluation may score some of the trained classes: only new ones count there."""
     gone = [c for c in trained_on if c not in classes]
     new = [c for c in classes if c not in trained_on]
-    if redo == EVAL_REDO and new:
+    if evaluating and new:
         return (f"{path} was trained on the classes {short_list(trained_on)}, but the data has "
                 f"class folder(s) it has no output for: {short_list(new, 5)}; score a folder "
                 "whose class folders are among those it was trained on (some may be missing).")
@@ -1577,7 +1576,7 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
     """Refuse what cannot go on from ``ckpt`` (another model, other classes, ...); warn of the
     rest."""
     saved = ckpt.get("args", {})
-    redo = (EVAL_REDO if args.eval_only else
+    redo = ("evaluate it on the data it was trained on" if args.eval_only else
             "resume with the data it was trained on, or use another --output-dir")
     if "model" in saved and saved["model"] != args.model:
         raise CheckpointError(f"{path} was trained with --model {saved['model']} but this run has "
@@ -1586,7 +1585,8 @@ def _check_checkpoint(ckpt: dict[str, Any], path: str, args: argparse.Namespace,
     # Labels are folder indices: the same count in another order would train on wrong labels.
     trained_on = _nfc(ckpt.get("classes"))
     if trained_on is not None and trained_on != list(classes):
-        raise CheckpointError(_class_mismatch(path, trained_on, classes, redo))
+        raise CheckpointError(_class_mismatch(path, trained_on, classes, redo,
+                                              evaluating=args.eval_only))
     if trained_on is None and saved.get("num_classes", len(classes)) != len(classes):
         raise CheckpointError(f"{path} was trained on {saved['num_classes']} classes but the data "
                               f"has {len(classes)}; {redo}.")
