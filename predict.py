@@ -183,25 +183,20 @@ def load_checkpoint_with_classes(
     except CheckpointError as exc:
         raise UsageError(f"Weights file {exc}") from None
 
-    classes = None
-    if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
-        state_dict, train_args, classes = obj["model"], obj.get("args"), obj.get("classes")
+    classes, train_args = None, {}
+    if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):  # our checkpoint
+        train_args, classes = obj.get("args"), obj.get("classes")
         train_args = dict(train_args) if isinstance(train_args, Mapping) else {}
         if classes is not None and not (
             isinstance(classes, (list, tuple)) and classes and all(isinstance(c, str) for c in classes)
         ):
             log.warning("Ignoring the 'classes' entry of %s, which is not a list of class names.", path)
             classes = None
-    else:  # a bare state dict, or another trainer's checkpoint (Lightning, the PyTorch tutorial)
-        try:
-            state_dict, train_args = extract_state_dict(obj, path), {}
-        except CheckpointError:
-            raise UsageError(f"Weights file {path} holds neither a state dict nor a checkpoint "
-                             "with a 'model', 'state_dict' or 'model_state_dict' entry.") from None
-    # Files from elsewhere may carry the prefixes DDP ("module.") and torch.compile ("_orig_mod.")
-    # add, in any order; ours never do (saved unwrapped). Stripped as training's --weights does.
+    # The state dict as training's --weights reads it: inside a checkpoint (ours, the PyTorch
+    # tutorial's) or bare, without the prefixes DDP ("module.") and torch.compile ("_orig_mod.")
+    # add, in any order; ours never have them (saved unwrapped).
     try:
-        state_dict = extract_state_dict(dict(state_dict), path)
+        state_dict = extract_state_dict(obj, path)
     except CheckpointError as exc:
         raise UsageError(f"Weights file {exc}") from None
     return state_dict, train_args, None if classes is None else list(classes)

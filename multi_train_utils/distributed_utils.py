@@ -121,10 +121,12 @@ def _read_env() -> tuple[int, int, int] | None:
         partial = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in os.environ]
         if partial:  # two such processes would each train alone, as rank 0, on one output
             unset = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
-            log.warning("%s %s set but %s not: this process runs alone, in no process group; "
-                        "start the processes with torchrun, or unset %s.", " and ".join(partial),
-                        "is" if len(partial) == 1 else "are", " and ".join(unset) + " is" * (
-                            len(unset) == 1) + " are" * (len(unset) > 1),
+
+            def are(names: list[str]) -> str:
+                return " and ".join(names) + (" is" if len(names) == 1 else " are")
+
+            log.warning("%s set but %s not: this process runs alone, in no process group; start "
+                        "the processes with torchrun, or unset %s.", are(partial), are(unset),
                         "it" if len(partial) == 1 else "them")
         return None
     rank, _, world_size = env
