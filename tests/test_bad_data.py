@@ -733,6 +733,24 @@ def test_build_data_rejects_empty_val_split_and_too_few_images(tmp_path):
         _build_data(args, DistInfo(world_size=2), tmp_path / "out")
 
 
+def test_the_more_workers_hint_is_logged_on_cuda(tmp_path, caplog, monkeypatch):
+    """_build_data names the --workers to try on a GPU process with CPUs beyond the cap (the
+    loaders are only built here, so a CPU machine can stand in for the GPU one)."""
+    import train_common
+    monkeypatch.setattr(train_common, "cpus_per_process", lambda: 12)
+    root = two_class_data(tmp_path / "data", 12)
+    args = get_args_parser().parse_args(["--data-path", str(root), "--img-size", "32",
+                                         "--batch-size", "16", "--epochs", "1",
+                                         "--output-dir", str(tmp_path / "out")])
+    (tmp_path / "out").mkdir()
+    gpu = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="train"):
+        _build_data(args, DistInfo(device=gpu), tmp_path / "out")
+    hints = [r.getMessage() for r in caplog.records if "try --workers" in r.getMessage()]
+    assert hints == ["the default stops at 8 loader workers per process, and this one has 12 "
+                     "CPUs: if training waits for data, try --workers 11 (README: On an H200)."]
+
+
 def test_a_separate_validation_folder_is_labelled_by_class_name(tmp_path, caplog):
     """--val-path: every --data-path image trains; the validation folder's images take the
     index of their class's name among the training classes, whichever of them it holds."""

@@ -389,6 +389,31 @@ def test_cpus_per_process_counts_the_allowed_cpus_per_local_rank(slurm_env, env,
     assert train_common.default_workers(1) == 0  # the template's rule for batch size 1
 
 
+@pytest.mark.parametrize("cpus, workers_flag, device, eval_only, batch, want", [
+    (16, None, "cuda", False, 256, 15),   # the H200 machine: 15 workers beat the cap's 8
+    (64, None, "cuda", False, 32, 32),    # no more workers than samples in a batch
+    (9, None, "cuda", False, 256, None),  # 8 spare CPUs: the cap is no limit
+    (16, None, "cpu", False, 256, None),  # on CPU the training needs the CPUs
+    (16, "8", "cuda", False, 256, None),  # the user chose
+    (16, None, "cuda", True, 256, None),  # evaluation only: one pass
+    (4, None, "cuda", False, 256, None),  # the CPUs, not the cap, set it
+])
+def test_a_gpu_process_capped_at_8_workers_is_told_which_workers_to_try(
+        monkeypatch, cpus, workers_flag, device, eval_only, batch, want):
+    import train_common
+    monkeypatch.setattr(train_common, "cpus_per_process", lambda: cpus)
+    argv = ["--batch-size", str(batch)] + (["--workers", workers_flag] if workers_flag else []) + (
+        ["--eval-only"] if eval_only else [])
+    args = train_common.get_args_parser().parse_args(argv)
+    hint = train_common.more_workers_hint(args, torch.device(device))
+    if want is None:
+        assert hint is None
+    else:
+        assert hint == (f"the default stops at 8 loader workers per process, and this one has "
+                        f"{cpus} CPUs: if training waits for data, try --workers {want} "
+                        "(README: On an H200).")
+
+
 def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
     slurm_env.setenv("SLURM_PROCID", "5")
     slurm_env.setenv("SLURM_LOCALID", "1")
