@@ -26,6 +26,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 1800.0
+WAIT_NOTICE_S = 60.0  # a rank still waiting for the others to join after this says so, and why
 
 
 class LaunchError(RuntimeError):
@@ -344,21 +346,50 @@ def _init(device: str, dist_url: str, timeout_s: float) -> DistInfo:
     _check_rendezvous(dist_url)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = _elastic_store(timeout) if dist_url == "env://" else None
-    if store is None:  # the rendezvous init_process_group would do, with its key prefix
-        if rank != 0 and dist_url == "env://":  # rank 0 hosts the store: wait for it quietly
-            wait_for_port(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
-        rendezvoused, _, _ = next(dist.rendezvous(dist_url, rank, world_size, timeout=timeout))
-        rendezvoused.set_timeout(timeout)
-        store = dist.PrefixStore("default_pg", rendezvoused)
-    agree_on_backend(store, rank, world_size, backend, requested=device)
-    # device_id binds the group to this GPU: NCCL connects here, so a set-up it refuses fails
-    # now, not at the first collective, and barrier() knows its device.
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=dev if dev.type == "cuda" else None, store=store)
+    notice = _waiting_notice(rank, world_size, dist_url, timeout_s)
+    try:
+        store = _elastic_store(timeout) if dist_url == "env://" else None
+        if store is None:  # the rendezvous init_process_group would do, with its key prefix
+            if rank != 0 and dist_url == "env://":  # rank 0 hosts the store: wait for it quietly
+                wait_for_port(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              timeout_s)
+            rendezvoused, _, _ = next(dist.rendezvous(dist_url, rank, world_size,
+                                                      timeout=timeout))
+            rendezvoused.set_timeout(timeout)
+            store = dist.PrefixStore("default_pg", rendezvoused)
+        agree_on_backend(store, rank, world_size, backend, requested=device)
+        # device_id binds the group to this GPU: NCCL connects here, so a set-up it refuses
+        # fails now, not at the first collective, and barrier() knows its device.
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None, store=store)
+    finally:
+        notice.cancel()
     log.debug("rank %d/%d (local %d) on %s with %s", rank, world_size, local_rank, dev, backend)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev,
                     backend=backend)
+
+
+def _waiting_notice(rank: int, world_size: int, dist_url: str,
+                    timeout_s: float) -> threading.Timer:
+    """A started timer that says, after ``WAIT_NOTICE_S``, that this rank still waits for the
+    others and what commonly keeps them away; cancel it once the group exists.
+
+    Without it a rank whose peers never come is silent for --dist-timeout (30 minutes): the
+    commonest case, a SLURM batch script that runs the script without srun, is one process
+    that reads SLURM_NTASKS=N and waits for N - 1 that nobody starts.
+    """
+    at = (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+          if dist_url == "env://" else dist_url)
+    cause = ("under SLURM every task runs the script: start it with srun (in an sbatch script, a "
+             "plain python command is one process)" if "RANK" not in os.environ else
+             "start every rank with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE, reachable "
+             "from all")
+    timer = threading.Timer(WAIT_NOTICE_S, log.warning, args=(
+        "rank %d of %d has waited %.0f s for the other processes to join at %s (it gives up after "
+        "--dist-timeout %.0f s); %s.", rank, world_size, WAIT_NOTICE_S, at, timeout_s, cause))
+    timer.daemon = True  # never keeps the process alive
+    timer.start()
+    return timer
 
 
 def cleanup() -> None:

@@ -414,6 +414,50 @@ def test_a_gpu_process_capped_at_8_workers_is_told_which_workers_to_try(
                         "(README: On an H200).")
 
 
+_WAIT = """
+import logging, sys, time
+logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d ms: %(message)s")
+from multi_train_utils import distributed_utils as du
+du.WAIT_NOTICE_S = 1.0
+start = time.monotonic()
+try:
+    info = du.init_distributed_mode(device="cpu", timeout_s=float(sys.argv[1]))
+except Exception as exc:
+    print(f"RAISED after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+else:
+    print(f"JOINED a group of {info.world_size}", flush=True)
+    time.sleep(3)  # past the notice's time: cancelled, it must stay silent
+    du.cleanup()
+"""
+
+
+def test_a_rank_whose_peers_do_not_come_says_so_long_before_the_timeout():
+    """An sbatch script that runs the script without srun: one process reads SLURM_NTASKS=2 and
+    waits for a second task nobody starts. It says so after WAIT_NOTICE_S (1 s here), not only
+    when --dist-timeout ends (30 minutes by default)."""
+    result = run([sys.executable, "-c", _WAIT, "6"], timeout=60, PYTHONPATH=str(ROOT),
+                 SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_ID="4242",
+                 SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(find_free_port()))
+    notices = [line for line in result.stderr.splitlines() if "has waited" in line]
+    assert len(notices) == 1, result.stderr[-3000:]
+    assert notices[0].endswith(
+        "rank 0 of 2 has waited 1 s for the other processes to join at 127.0.0.1:"
+        f"{notices[0].split('127.0.0.1:')[1].split(' ')[0]} (it gives up after --dist-timeout "
+        "6 s); under SLURM every task runs the script: start it with srun (in an sbatch script, "
+        "a plain python command is one process).")
+    assert "RAISED after" in result.stdout and "1/2 clients joined" in result.stdout, \
+        result.stdout + result.stderr[-3000:]
+
+
+def test_a_group_that_meets_in_time_gives_no_waiting_notice():
+    result = run([sys.executable, "-c", _WAIT, "6"], timeout=60, PYTHONPATH=str(ROOT),
+                 RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(find_free_port()))
+    assert "JOINED a group of 1" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "has waited" not in result.stderr, result.stderr[-3000:]
+
+
 def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
     slurm_env.setenv("SLURM_PROCID", "5")
     slurm_env.setenv("SLURM_LOCALID", "1")
