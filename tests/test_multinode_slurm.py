@@ -435,17 +435,16 @@ def test_a_rank_whose_peers_do_not_come_says_so_long_before_the_timeout():
     """An sbatch script that runs the script without srun: one process reads SLURM_NTASKS=2 and
     waits for a second task nobody starts. It says so after WAIT_NOTICE_S (1 s here), not only
     when --dist-timeout ends (30 minutes by default)."""
+    port = find_free_port()
     result = run([sys.executable, "-c", _WAIT, "6"], timeout=60, PYTHONPATH=str(ROOT),
                  SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_ID="4242",
-                 SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(find_free_port()))
+                 SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     notices = [line for line in result.stderr.splitlines() if "has waited" in line]
     assert len(notices) == 1, result.stderr[-3000:]
     assert notices[0].endswith(
-        "rank 0 of 2 has waited 1 s for the other processes to join at 127.0.0.1:"
-        f"{notices[0].split('127.0.0.1:')[1].split(' ')[0]} (it gives up after --dist-timeout "
-        "6 s); under SLURM every task runs the script: start it with srun (in an sbatch script, "
-        "a plain python command is one process).")
+        f"rank 0 of 2 has waited 1 s for the other processes to join at 127.0.0.1:{port} (it "
+        "gives up after --dist-timeout 6 s); under SLURM every task runs the script: start it "
+        "with srun (in an sbatch script, a plain python command is one process).")
     assert "RAISED after" in result.stdout and "1/2 clients joined" in result.stdout, \
         result.stdout + result.stderr[-3000:]
 
