@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -455,6 +456,29 @@ def test_a_group_that_meets_in_time_gives_no_waiting_notice():
                  MASTER_PORT=str(find_free_port()))
     assert "JOINED a group of 1" in result.stdout, result.stdout + result.stderr[-3000:]
     assert "has waited" not in result.stderr, result.stderr[-3000:]
+
+
+def test_loader_workers_started_by_spawn_train_and_report_a_bad_file(tmp_path, tiny_data):
+    """macOS and Windows start DataLoader workers by spawn, not fork: everything the workers get
+    (dataset, transforms, collate and init functions) must pickle, and a worker's report of an
+    unreadable file must still reach skipped_files.txt. Linux forks, so only this test sees it."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    (data / "daisy" / "broken.jpg").write_bytes(b"not a jpeg at all" * 40)
+    out = tmp_path / "out"
+    argv = [LAUNCH, *TINY_FLAGS, "--data-path", str(data), "--output-dir", str(out), "--epochs",
+            "1", "--no-verify-images"]
+    argv[argv.index("--workers") + 1] = "1"
+    code = ("import multiprocessing, runpy, sys\n"
+            "multiprocessing.set_start_method('spawn')\n"
+            f"sys.argv = {argv!r}\n"
+            f"runpy.run_path({LAUNCH!r}, run_name='__main__')\n")
+    result = run([sys.executable, "-c", code], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [0]
+    skipped = (out / "skipped_files.txt").read_text(encoding="utf-8")
+    assert str(data / "daisy" / "broken.jpg") in skipped, skipped
 
 
 def test_slurm_env_gives_ranks_and_rendezvous_address(slurm_env):
