@@ -62,6 +62,7 @@ from utils import (STARTED_FROM, DataError, FolderScan, default_demo_root, find_
                    write_json_atomic)
 
 log = logging.getLogger("train")
+SIGCHLD = getattr(signal, "SIGCHLD", None)  # POSIX only: Windows has none (nor fork)
 
 
 class ConfigError(ValueError):
@@ -356,13 +357,13 @@ def _signals_held() -> Iterator[None]:
     """
     global _held_signals
     _held_signals = []
-    sigchld = signal.signal(signal.SIGCHLD, _ignore_signal)
+    sigchld = signal.signal(SIGCHLD, _ignore_signal) if SIGCHLD else None
     try:
         yield
     finally:
         held, _held_signals = _held_signals, None
         if _signal_received is None and sigchld is not None:  # a stop keeps workers' deaths quiet
-            signal.signal(signal.SIGCHLD, sigchld)
+            signal.signal(SIGCHLD, sigchld)
     if held:  # INFO: only rank 0, which wrote it, says so
         log.info("%s arrived while the checkpoint was written; it is complete, now stopping.",
                  signal.Signals(held[0]).name)
@@ -393,7 +394,8 @@ def _expect_worker_deaths() -> None:
     # terminates daemon children at exit). Their SIGCHLD would otherwise raise "DataLoader worker
     # is killed by signal" in the middle of the clean-up and replace the interrupt. A no-op
     # handler, not SIG_DFL: Python raises OSError for a pending signal whose handler went away.
-    signal.signal(signal.SIGCHLD, _ignore_signal)
+    if SIGCHLD:
+        signal.signal(SIGCHLD, _ignore_signal)
 
 
 def _ignore_signal(signum: int, frame: Any) -> None:
@@ -862,7 +864,7 @@ def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
     """``(size, free)`` bytes of the shared-memory file system; None where there is none."""
     try:
         st = os.statvfs(path)
-    except OSError:  # macOS has no /dev/shm (its shared memory has no such limit)
+    except (OSError, AttributeError):  # no /dev/shm on macOS (nor its limit); no statvfs on Windows
         return None
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 

@@ -578,6 +578,27 @@ def test_resume_from_unusable_checkpoint_exits_2(case, run_a, tiny_data, tmp_pat
     assert not any(p.is_file() and p.name != ".lock" for p in (tmp_path / "out").rglob("*"))
 
 
+def test_a_platform_without_sigchld_statvfs_or_fcntl_trains_and_resumes(tmp_path, tiny_data,
+                                                                        train_here, monkeypatch):
+    """Windows has no SIGCHLD, os.statvfs or fcntl: a plain single-process run must still train,
+    save (its saves swap the SIGCHLD handler) and resume, the output folder merely unlocked.
+    (Loader workers stay off: torch's own DataLoader needs SIGCHLD on Linux.)"""
+    import train_common
+    monkeypatch.delattr(signal, "SIGCHLD")
+    monkeypatch.setattr(train_common, "SIGCHLD", None)  # as read at import there
+    monkeypatch.delattr(os, "statvfs")
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # import fcntl raises ImportError
+    assert train_common.shm_space() is None
+    out = tmp_path / "out"
+    code, err = train_here(flags(tiny_data, out, "--epochs", "1"))
+    assert code == 0, err[-3000:]
+    code, err = train_here(flags(tiny_data, out, "--epochs", "2"))
+    assert code == 0, err[-3000:]
+    assert "resumed from" in err and "Traceback" not in err, err[-3000:]
+    assert f"could not lock --output-dir {out} (" in err
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
+
+
 def test_resume_none_starts_fresh(run_a, tmp_path, tiny_data, train_here):
     out = tmp_path / "out"
     shutil.copytree(run_a, out)  # a finished 3-epoch run is there
