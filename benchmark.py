@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import platform
 import shlex
@@ -62,9 +61,9 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import Dataset
 
 from model import MODELS, get_model
-from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cgroup_cpu_limit, cleanup,
-                                                 find_free_port, init_distributed_mode,
-                                                 register_comm_hook, set_launch_env)
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup, find_free_port,
+                                                 init_distributed_mode, register_comm_hook,
+                                                 set_launch_env, usable_cpus)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, prepare_images,
                                                 resolve_amp_dtype, train_one_epoch)
@@ -740,13 +739,6 @@ def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequenc
 
 
 # ---------------------------------------------------------------- report
-def _usable_cpus() -> int:
-    """The CPU set this process may run on, or fewer where a CPU quota allows less time."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = cgroup_cpu_limit()
-    return min(cpus or 1, math.ceil(quota)) if quota is not None else cpus or 1
-
-
 def _host_info(device: torch.device) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -755,7 +747,7 @@ def _host_info(device: torch.device) -> dict[str, Any]:
         cpu = names[0] if names else cpu
     info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
             "cpu_count": os.cpu_count(),
-            "cpus_usable": _usable_cpus(),
+            "cpus_usable": usable_cpus(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "load_avg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
@@ -969,7 +961,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.workers is not None and args.workers < 0:
         sys.exit(f"error: --workers must be 0 or more, not {args.workers}.")
     procs = _process_counts(max_procs)
-    usable = _usable_cpus()
+    usable = usable_cpus()
     if not use_cuda and max_procs * args.threads > usable:
         log.warning("%d processes x %d thread(s) is more than the %s usable CPUs: ranks will share "
                     "cores and scaling efficiency will show it.", max_procs, args.threads, usable)

@@ -655,6 +655,14 @@ def _read_cfs(folder: str) -> float | None:
         return None
 
 
+def usable_cpus() -> int:
+    """The CPU set this process may run on (at least 1), or fewer where a CPU quota
+    (:func:`cgroup_cpu_limit`, rounded up) allows less time than that set."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = cgroup_cpu_limit()
+    return min(cpus or 1, math.ceil(quota)) if quota is not None else cpus or 1
+
+
 def cpus_per_process() -> int:
     """The CPUs this process may use for its threads and DataLoader workers (at least 1).
 
@@ -664,11 +672,7 @@ def cpus_per_process() -> int:
     ``LOCAL_WORLD_SIZE`` processes on a node that share that set; SLURM gives each task its own
     ``SLURM_CPUS_PER_TASK``, or else the node's ``SLURM_CPUS_ON_NODE`` shared by its tasks.
     """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    quota = cgroup_cpu_limit()
-    if quota is not None:
-        cpus = min(cpus, math.ceil(quota))
+    cpus = usable_cpus()
     if "LOCAL_WORLD_SIZE" in os.environ:
         cpus //= max(1, _env_int("LOCAL_WORLD_SIZE"))
     elif "SLURM_CPUS_PER_TASK" in os.environ:
