@@ -807,7 +807,10 @@ def test_unreadable_at_load_time_becomes_ignored_placeholder(tmp_path, decoder, 
     goods = [write_jpeg(tmp_path / f"{i}.jpg", i, (20, 12)) for i in range(5)]
     broken = (jpeg_without_scan(goods[0], tmp_path / "broken.jpg") if broken_kind == "jpeg"
               else png_with_damaged_data(tmp_path / "broken.png"))
-    assert check_image(str(broken)) is None  # the up-front check cannot see this one
+    # Pillow 13's up-front header check passes the JPEG (Pillow 12's, on Python 3.10, refuses
+    # it already); the loader must handle it either way.
+    assert check_image(str(broken)) is None or (broken_kind == "jpeg" and check_image(
+        str(broken)).startswith("not a readable image"))
     # torchvision's PNG decoder crashes the process on this one (SIGSEGV): it must raise.
     assert _in_child(lambda: load_image_tensor(str(broken))) == "raised OSError"
     paths = [str(p) for p in goods[:2]] + [str(broken)] + [str(p) for p in goods[2:]]
