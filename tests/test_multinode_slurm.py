@@ -458,10 +458,12 @@ def test_a_group_that_meets_in_time_gives_no_waiting_notice():
     assert "has waited" not in result.stderr, result.stderr[-3000:]
 
 
-def test_loader_workers_started_by_spawn_train_and_report_a_bad_file(tmp_path, tiny_data):
-    """macOS and Windows start DataLoader workers by spawn, not fork: everything the workers get
-    (dataset, transforms, collate and init functions) must pickle, and a worker's report of an
-    unreadable file must still reach skipped_files.txt. Linux forks, so only this test sees it."""
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_loader_workers_started_by_spawn_train_and_report_a_bad_file(tmp_path, tiny_data, method):
+    """macOS and Windows start DataLoader workers by spawn, and Python 3.14 on Linux by
+    forkserver, not fork: everything the workers get (dataset, transforms, collate and init
+    functions) must pickle, and a worker's report of an unreadable file must still reach
+    skipped_files.txt. Python up to 3.13 forks on Linux, so only this test sees it."""
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     (data / "daisy" / "broken.jpg").write_bytes(b"not a jpeg at all" * 40)
@@ -470,7 +472,7 @@ def test_loader_workers_started_by_spawn_train_and_report_a_bad_file(tmp_path, t
             "1", "--no-verify-images"]
     argv[argv.index("--workers") + 1] = "1"
     code = ("import multiprocessing, runpy, sys\n"
-            "multiprocessing.set_start_method('spawn')\n"
+            f"multiprocessing.set_start_method({method!r})\n"
             f"sys.argv = {argv!r}\n"
             f"runpy.run_path({LAUNCH!r}, run_name='__main__')\n")
     result = run([sys.executable, "-c", code], timeout=240)
