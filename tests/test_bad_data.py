@@ -809,8 +809,8 @@ def test_unreadable_at_load_time_becomes_ignored_placeholder(tmp_path, decoder, 
               else png_with_damaged_data(tmp_path / "broken.png"))
     # Pillow 13's up-front header check passes the JPEG (Pillow 12's, on Python 3.10, refuses
     # it already); the loader must handle it either way.
-    assert check_image(str(broken)) is None or (broken_kind == "jpeg" and check_image(
-        str(broken)).startswith("not a readable image"))
+    verdict = check_image(str(broken))
+    assert verdict is None or (broken_kind == "jpeg" and verdict.startswith("not a readable image"))
     # torchvision's PNG decoder crashes the process on this one (SIGSEGV): it must raise.
     assert _in_child(lambda: load_image_tensor(str(broken))) == "raised OSError"
     paths = [str(p) for p in goods[:2]] + [str(broken)] + [str(p) for p in goods[2:]]
