@@ -12,10 +12,11 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
+# --resume none: each demo starts afresh (an earlier demo run is moved to runs/demo/previous-runs/).
 demo: $(VENV)/.installed
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 train_multi_gpu_using_launch.py \
 		--device cpu --model resnet18 --img-size 64 --batch-size 16 --lr 0.005 --epochs 6 \
-		--output-dir runs/demo --resume none
+		--output-dir runs/demo --resume none --keep-last 1
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

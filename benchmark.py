@@ -2,7 +2,7 @@
 
 1. Input pipeline, images/s per DataLoader worker (one process, one thread): the classic
    template's PIL path (``Image.open().convert("RGB")``, ``transforms`` v1 RandomResizedCrop,
-   flip, ``ToTensor``, ``Normalize``) against ours (``MyDataSet(decoder="tensor")``:
+   flip, ``ToTensor``, ``Normalize``) against ours (``MyDataSet``:
    ``torchvision.io`` decoding, ``transforms.v2`` on uint8, normalisation left to the device), on
    the same photo-sized JPEGs (500x375, quality 90, generated once and cached).
 2. Training-loop efficiency: ``train_one_epoch`` against a bare forward/backward/step loop on the
@@ -63,7 +63,7 @@ from torch.utils.data import Dataset
 from model import MODELS, get_model
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup, find_free_port,
                                                  init_distributed_mode, register_comm_hook,
-                                                 set_launch_env, usable_cpus)
+                                                 usable_cpus)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, prepare_images,
                                                 resolve_amp_dtype, train_one_epoch)
@@ -226,7 +226,7 @@ def bench_pipeline(paths: Sequence[str], img_size: int, batch_size: int,
 
     labels = [0] * len(paths)
     template = TemplateDataSet(paths, labels, template_transform(img_size))
-    ours = MyDataSet(paths, labels, get_transforms(img_size)["train"], decoder="tensor")
+    ours = MyDataSet(paths, labels, get_transforms(img_size)["train"])
     for path in paths:  # both read from the page cache, never one from the disk
         Path(path).read_bytes()
     datasets = {"template": template, "ours": ours}
@@ -294,7 +294,7 @@ def _channels_last(args: argparse.Namespace, device: torch.device) -> bool:
 def _build(args: argparse.Namespace, device: torch.device, world_size: int = 1,
            comm_hook: str | None = None
            ) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
-    """Model, optimizer and scaler as ``train_common`` builds them (SyncBN, DDP, compile).
+    """Model, optimizer and scaler as the training script builds them (SyncBN, DDP, compile).
 
     ``world_size`` 1 builds the single-process model (no SyncBN, no DDP) even inside a group.
     """
@@ -438,19 +438,18 @@ def _data_loader(paths: Sequence[str], args: argparse.Namespace, device: torch.d
                  workers: int, batches: int) -> torch.utils.data.DataLoader:
     """The training script's train loader over the photos, repeated to ``batches`` full batches.
 
-    As ``train_common`` builds it: ``MyDataSet(decoder="tensor")`` with the training transform
-    at ``--img-size`` and ``train_common.loader_kwargs``.
+    As the training script builds it: ``MyDataSet`` with the training transform at
+    ``--img-size`` and ``my_dataset.loader_kwargs``.
     """
     from torch.utils.data import DataLoader
 
-    from my_dataset import MyDataSet
-    from train_common import loader_kwargs
+    from my_dataset import MyDataSet, loader_kwargs
     from utils import get_transforms
 
     count = batches * args.batch_size
     dataset = MyDataSet([paths[i % len(paths)] for i in range(count)],
                         [i % args.num_classes for i in range(count)],
-                        get_transforms(args.img_size)["train"], decoder="tensor", seed=args.seed)
+                        get_transforms(args.img_size)["train"], seed=args.seed)
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
                       generator=torch.Generator().manual_seed(args.seed),
                       **loader_kwargs(workers, device))
@@ -504,7 +503,7 @@ def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Seque
     steady state (:class:`_SteadyWindow`): ``--steps`` batches after ``--warmup-steps``, each
     rounded up to a multiple of the worker count.
     """
-    from train_common import default_workers
+    from my_dataset import default_workers
 
     workers = default_workers(args.batch_size) if args.workers is None else args.workers
     burst = max(1, workers)  # batches that arrive together (see _SteadyWindow)
@@ -608,11 +607,10 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
     between them: the process group only lines up the repeats. Its efficiency is the most the
     hardware allows N processes (shared cores, caches and memory bandwidth), whatever DDP does.
     """
-    set_launch_env(rank=local_rank, local_rank=local_rank, world_size=nprocs,
-                   master_addr="127.0.0.1", master_port=port,
-                   extra=[("LOCAL_WORLD_SIZE", str(nprocs))])
-    if nprocs == 1:  # the baseline runs as plain python does: no process group
-        del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    if nprocs > 1:  # what torchrun sets; the baseline runs as plain python does: no group
+        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                          WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     rss_at_start = _peak_host_rss_mib()  # Python + torch libraries, before any model or data

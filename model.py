@@ -1,15 +1,12 @@
-"""ResNet and ResNeXt image classifiers.
+"""ResNet and ResNeXt image classifiers, compatible with ``torchvision.models``.
 
 One :class:`ResNet` class builds every depth; the depth is data (blocks per stage, e.g.
 ``[3, 4, 6, 3]`` for ResNet-50) and the residual block type (:class:`BasicBlock` or
-:class:`Bottleneck`). Module names, parameter shapes and the forward pass match
-``torchvision.models`` exactly, so torchvision's ImageNet weights load with ``strict=True`` and
-give the same outputs. Downloading weights is left to the caller, e.g.::
+:class:`Bottleneck`). Module names, parameter shapes and the forward pass match torchvision's
+exactly, so its ImageNet weights load with ``strict=True`` and give the same outputs. Downloading
+weights is left to the caller, e.g.::
 
-    import torchvision
-
-    model = resnet50()
-    model.load_state_dict(torchvision.models.resnet50(weights="IMAGENET1K_V2").state_dict())
+    resnet50().load_state_dict(torchvision.models.resnet50(weights="IMAGENET1K_V2").state_dict())
 
 Pick a model by name (this is what ``--model`` in the training script uses)::
 
@@ -17,9 +14,8 @@ Pick a model by name (this is what ``--model`` in the training script uses)::
     backbone = get_model("resnet50", include_top=False)            # (N, 3, H, W) -> (N, 2048, H/32, W/32)
     gn = get_model("resnet18", norm_layer=lambda c: nn.GroupNorm(32, c))  # no BatchNorm at all
 
-For multi-process training with small per-process batches, convert BatchNorm after building
-with ``multi_train_utils.sync_batchnorm.convert_sync_batchnorm(model, device)`` (torch's
-``nn.SyncBatchNorm`` on CUDA, a gloo-capable one on CPU) rather than passing a norm layer here.
+For SyncBatchNorm, convert after building (``multi_train_utils.sync_batchnorm``) rather than
+passing a norm layer here. :func:`freeze_backbone` trains only the classifier (``--freeze-layers``).
 
 Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs/1611.05431.
 """
@@ -31,35 +27,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = [
-    "MODELS",
-    "BasicBlock",
-    "Bottleneck",
-    "ResNet",
-    "get_model",
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnext50_32x4d",
-    "resnext101_32x8d",
-]
-
 NormLayer = Callable[[int], nn.Module]
 
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1, groups: int = 1, dilation: int = 1) -> nn.Conv2d:
     """3x3 convolution without bias; padding equals dilation so stride 1 keeps H and W."""
-    return nn.Conv2d(
-        in_planes,
-        out_planes,
-        kernel_size=3,
-        stride=stride,
-        padding=dilation,
-        groups=groups,
-        bias=False,
-        dilation=dilation,
-    )
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=dilation,
+                     groups=groups, bias=False, dilation=dilation)
 
 
 def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -76,28 +50,16 @@ class BasicBlock(nn.Module):
     # Output channels = planes * expansion; the stage builder needs it before a block exists.
     expansion: int = 1
 
-    def __init__(
-        self,
-        inplanes: int,
-        planes: int,
-        stride: int = 1,
-        downsample: Optional[nn.Module] = None,
-        groups: int = 1,
-        base_width: int = 64,
-        dilation: int = 1,
-        norm_layer: NormLayer = nn.BatchNorm2d,
-    ) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
+                 groups: int = 1, base_width: int = 64, dilation: int = 1,
+                 norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
         if groups != 1 or base_width != 64:
-            raise ValueError(
-                f"BasicBlock supports only groups=1 and width_per_group=64, got groups={groups} and "
-                f"width_per_group={base_width}; use a Bottleneck model (resnet50 or deeper) for ResNeXt widths."
-            )
+            raise ValueError(f"BasicBlock supports only groups=1 and width_per_group=64, got groups={groups} "
+                             f"and width_per_group={base_width}; use resnet50 or deeper for ResNeXt widths.")
         if dilation > 1:
-            raise ValueError(
-                f"BasicBlock does not support dilation (got dilation={dilation}); "
-                "use replace_stride_with_dilation only with Bottleneck models (resnet50 or deeper)."
-            )
+            raise ValueError(f"BasicBlock does not support dilation (got dilation={dilation}); use "
+                             "replace_stride_with_dilation only with resnet50 or deeper.")
         # The first conv carries the stride; `downsample` strides the shortcut to match.
         self.conv1 = conv3x3(inplanes, planes, stride)
         self.bn1 = norm_layer(planes)
@@ -108,12 +70,9 @@ class BasicBlock(nn.Module):
         self.stride = stride
 
     def forward(self, x: Tensor) -> Tensor:
-        """``(N, inplanes, H, W) -> (N, planes, H / stride, W / stride)``."""
         identity = x if self.downsample is None else self.downsample(x)
-
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-
         out += identity
         return self.relu(out)
 
@@ -131,26 +90,16 @@ class Bottleneck(nn.Module):
 
     expansion: int = 4
 
-    def __init__(
-        self,
-        inplanes: int,
-        planes: int,
-        stride: int = 1,
-        downsample: Optional[nn.Module] = None,
-        groups: int = 1,
-        base_width: int = 64,
-        dilation: int = 1,
-        norm_layer: NormLayer = nn.BatchNorm2d,
-    ) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
+                 groups: int = 1, base_width: int = 64, dilation: int = 1,
+                 norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
         # ResNeXt keeps FLOPs comparable by splitting a wider 3x3 into `groups` paths of
         # `base_width` channels each (per 64 planes); groups=1, base_width=64 is plain ResNet.
         width = int(planes * (base_width / 64.0)) * groups
         if width < 1:
-            raise ValueError(
-                f"Bottleneck width is {width} for planes={planes}, groups={groups}, "
-                f"width_per_group={base_width}; increase width_per_group."
-            )
+            raise ValueError(f"Bottleneck width is {width} for planes={planes}, groups={groups}, "
+                             f"width_per_group={base_width}; both must be positive integers.")
         self.conv1 = conv1x1(inplanes, width)
         self.bn1 = norm_layer(width)
         self.conv2 = conv3x3(width, width, stride, groups, dilation)
@@ -162,13 +111,10 @@ class Bottleneck(nn.Module):
         self.stride = stride
 
     def forward(self, x: Tensor) -> Tensor:
-        """``(N, inplanes, H, W) -> (N, planes * 4, H / stride, W / stride)``."""
         identity = x if self.downsample is None else self.downsample(x)
-
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
-
         out += identity
         return self.relu(out)
 
@@ -199,18 +145,10 @@ class ResNet(nn.Module):
         norm_layer: called as ``norm_layer(num_channels)``; e.g. ``lambda c: nn.GroupNorm(32, c)``.
     """
 
-    def __init__(
-        self,
-        block: Block,
-        layers: list[int],
-        num_classes: int = 1000,
-        include_top: bool = True,
-        zero_init_residual: bool = False,
-        groups: int = 1,
-        width_per_group: int = 64,
-        replace_stride_with_dilation: Optional[list[bool]] = None,
-        norm_layer: Optional[NormLayer] = None,
-    ) -> None:
+    def __init__(self, block: Block, layers: list[int], num_classes: int = 1000, include_top: bool = True,
+                 zero_init_residual: bool = False, groups: int = 1, width_per_group: int = 64,
+                 replace_stride_with_dilation: Optional[list[bool]] = None,
+                 norm_layer: Optional[NormLayer] = None) -> None:
         super().__init__()
         if block not in (BasicBlock, Bottleneck):
             raise ValueError(f"block must be BasicBlock or Bottleneck, got {block!r}.")
@@ -219,19 +157,11 @@ class ResNet(nn.Module):
         # bool is an int subclass; num_classes=True is always a mistake.
         if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
-        if not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"groups must be a positive integer, got {groups!r}.")
-        if not isinstance(width_per_group, int) or width_per_group < 1:
-            raise ValueError(f"width_per_group must be a positive integer, got {width_per_group!r}.")
-        if replace_stride_with_dilation is None:
-            replace_stride_with_dilation = [False, False, False]
-        if len(replace_stride_with_dilation) != 3:
-            raise ValueError(
-                "replace_stride_with_dilation must be None or three booleans for stages 2-4, "
-                f"got {replace_stride_with_dilation!r}."
-            )
-        if norm_layer is None:
-            norm_layer = nn.BatchNorm2d
+        dilate = replace_stride_with_dilation or [False, False, False]
+        if len(dilate) != 3:
+            raise ValueError("replace_stride_with_dilation must be None or three booleans for stages 2-4, "
+                             f"got {replace_stride_with_dilation!r}.")
+        norm_layer = norm_layer or nn.BatchNorm2d
         if not callable(norm_layer):
             raise ValueError(f"norm_layer must be callable as norm_layer(num_channels), got {norm_layer!r}.")
 
@@ -250,34 +180,31 @@ class ResNet(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
         self.layer1 = self._make_layer(block, 64, layers[0])
-        self.layer2 = self._make_layer(block, 128, layers[1], stride=2, dilate=replace_stride_with_dilation[0])
-        self.layer3 = self._make_layer(block, 256, layers[2], stride=2, dilate=replace_stride_with_dilation[1])
-        self.layer4 = self._make_layer(block, 512, layers[3], stride=2, dilate=replace_stride_with_dilation[2])
+        self.layer2 = self._make_layer(block, 128, layers[1], stride=2, dilate=dilate[0])
+        self.layer3 = self._make_layer(block, 256, layers[2], stride=2, dilate=dilate[1])
+        self.layer4 = self._make_layer(block, 512, layers[3], stride=2, dilate=dilate[2])
         if include_top:
             self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
             self.fc = nn.Linear(self.num_features, num_classes)
 
         # He init with fan_out preserves the variance of gradients in the backward pass through
         # ReLUs (https://arxiv.org/abs/1502.01852); identical to torchvision so training from
-        # scratch behaves the same. SyncBatchNorm is not a BatchNorm2d subclass, hence listed.
+        # scratch behaves the same.
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm)) and m.affine:
+            elif isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)) and m.affine:
                 nn.init.constant_(m.weight, 1)
                 nn.init.constant_(m.bias, 0)
-
         if zero_init_residual:
             for m in self.modules():
                 last_norm = m.bn3 if isinstance(m, Bottleneck) else m.bn2 if isinstance(m, BasicBlock) else None
                 # Norm layers without an affine weight (or nn.Identity) have nothing to zero.
-                weight = getattr(last_norm, "weight", None)
-                if isinstance(weight, Tensor):
-                    nn.init.zeros_(weight)
+                if isinstance(getattr(last_norm, "weight", None), Tensor):
+                    nn.init.zeros_(last_norm.weight)
 
-    def _make_layer(
-        self, block: Block, planes: int, blocks: int, stride: int = 1, dilate: bool = False
-    ) -> nn.Sequential:
+    def _make_layer(self, block: Block, planes: int, blocks: int, stride: int = 1,
+                    dilate: bool = False) -> nn.Sequential:
         """One stage: ``(N, inplanes, H, W) -> (N, planes * expansion, H / stride, W / stride)``."""
         norm_layer = self._norm_layer
         # Dilation replaces a stride for dense prediction (https://arxiv.org/abs/1706.05587). The
@@ -290,35 +217,12 @@ class ResNet(nn.Module):
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
             # Projection shortcut (option B in the ResNet paper) whenever the shape changes.
-            downsample = nn.Sequential(
-                conv1x1(self.inplanes, planes * block.expansion, stride),
-                norm_layer(planes * block.expansion),
-            )
-
-        layers = [
-            block(
-                self.inplanes,
-                planes,
-                stride,
-                downsample,
-                groups=self.groups,
-                base_width=self.base_width,
-                dilation=previous_dilation,
-                norm_layer=norm_layer,
-            )
-        ]
+            downsample = nn.Sequential(conv1x1(self.inplanes, planes * block.expansion, stride),
+                                       norm_layer(planes * block.expansion))
+        shared = dict(groups=self.groups, base_width=self.base_width, norm_layer=norm_layer)
+        layers = [block(self.inplanes, planes, stride, downsample, dilation=previous_dilation, **shared)]
         self.inplanes = planes * block.expansion
-        for _ in range(1, blocks):
-            layers.append(
-                block(
-                    self.inplanes,
-                    planes,
-                    groups=self.groups,
-                    base_width=self.base_width,
-                    dilation=self.dilation,
-                    norm_layer=norm_layer,
-                )
-            )
+        layers += [block(self.inplanes, planes, dilation=self.dilation, **shared) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def forward_features(self, x: Tensor) -> Tensor:
@@ -334,21 +238,17 @@ class ResNet(nn.Module):
         x = self.forward_features(x)
         if not self.include_top:
             return x
-        x = torch.flatten(self.avgpool(x), 1)
-        return self.fc(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def _resnet(
-    block: Block, layers: list[int], num_classes: int, include_top: bool, kwargs: dict[str, Any], **fixed: Any
-) -> ResNet:
+def _resnet(block: Block, layers: list[int], num_classes: int, include_top: bool, kwargs: dict[str, Any],
+            **fixed: Any) -> ResNet:
     """Build a :class:`ResNet`; ``fixed`` holds arguments that define the named architecture."""
     # Fail loudly instead of silently building a different network than the name promises.
     for key, value in fixed.items():
         if kwargs.get(key, value) != value:
-            raise ValueError(
-                f"{key}={kwargs[key]!r} conflicts with this model's {key}={value}; "
-                f"pass {key} to resnet50 or resnet101 to build a custom width."
-            )
+            raise ValueError(f"{key}={kwargs[key]!r} conflicts with this model's {key}={value}; "
+                             f"pass {key} to resnet50 or resnet101 to build a custom width.")
     return ResNet(block, layers, num_classes=num_classes, include_top=include_top, **{**kwargs, **fixed})
 
 
@@ -382,14 +282,9 @@ def resnext101_32x8d(num_classes: int = 1000, include_top: bool = True, **kwargs
     return _resnet(Bottleneck, [3, 4, 23, 3], num_classes, include_top, kwargs, groups=32, width_per_group=8)
 
 
+# Name -> builder; the names are torchvision's, so `--model` spells them as torchvision does.
 MODELS: dict[str, Callable[..., ResNet]] = {
-    "resnet18": resnet18,
-    "resnet34": resnet34,
-    "resnet50": resnet50,
-    "resnet101": resnet101,
-    "resnext50_32x4d": resnext50_32x4d,
-    "resnext101_32x8d": resnext101_32x8d,
-}
+    f.__name__: f for f in (resnet18, resnet34, resnet50, resnet101, resnext50_32x4d, resnext101_32x8d)}
 
 
 def get_model(name: str, **kwargs: Any) -> ResNet:
@@ -397,3 +292,26 @@ def get_model(name: str, **kwargs: Any) -> ResNet:
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; choose one of: {', '.join(MODELS)}.")
     return MODELS[name](**kwargs)
+
+
+def _batchnorm_eval(model: nn.Module, inputs: Any) -> None:
+    """Forward pre-hook of :func:`freeze_backbone`: every BatchNorm uses its running statistics."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    """Train only the classifier ``fc`` of ``model`` (call it before DDP wraps the model).
+
+    Freezing weights is not enough: in train mode BatchNorm normalises with each batch's
+    statistics and overwrites its running ones, so the "frozen" features would drift and the
+    pretrained statistics be lost. A forward pre-hook on ``model`` switches every BatchNorm to
+    eval mode before each forward: it holds after ``model.train()`` and after
+    ``convert_sync_batchnorm`` swaps the BatchNorm modules, since it looks them up each time.
+    """
+    if not any(name.startswith("fc.") for name, _ in model.named_parameters()):
+        raise ValueError("freeze_backbone needs a model with an `fc` classifier (include_top=True).")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("fc."))
+    model.register_forward_pre_hook(_batchnorm_eval)

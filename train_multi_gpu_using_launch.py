@@ -1,37 +1,300 @@
-"""Data-parallel training started by torchrun (or SLURM's srun, or plain python).
+"""Data-parallel image classification with DistributedDataParallel: the whole recipe in main().
 
     torchrun --nproc_per_node=4 train_multi_gpu_using_launch.py --data-path flower_photos
-    python -m torch.distributed.launch --use_env --nproc_per_node=4 train_multi_gpu_using_launch.py ...
-    torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --device cpu   # gloo, no GPU
+    python -m torch.distributed.launch --use_env --nproc_per_node=4 train_multi_gpu_using_launch.py
+    torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --device cpu    # gloo, no GPU
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
-        train_multi_gpu_using_launch.py ...                                   # two machines
+        train_multi_gpu_using_launch.py ...                                    # two machines
     torchrun --nproc_per_node=4 --max-restarts=3 train_multi_gpu_using_launch.py ...
-        # a dead worker restarts the group, which resumes from <output-dir>/checkpoint.pth
-    srun python train_multi_gpu_using_launch.py ...                          # SLURM, one task per GPU
-    python train_multi_gpu_using_launch.py ...                               # one process
+        # a dead process restarts the group, which resumes from <output-dir>/checkpoint.pth
+    srun python train_multi_gpu_using_launch.py ...                           # SLURM, task per GPU
+    python train_multi_gpu_using_launch.py ...                                # one process
 
-torchrun sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; each process runs the shared
-worker in ``train_common.py``.
+Every process runs main() on its own share of the data; DDP averages the gradients, so all hold
+the same weights after every step. train_multi_gpu_using_spawn.py starts them and runs main().
 """
 
 import argparse
+import logging
+import math
 import os
+import time
+from pathlib import Path
 
-# Read before importing torch (seconds): a torchrun killed meanwhile must not leave this rank
-# training on as an orphan (train_common.die_with_launcher).
-_LAUNCHER_PID = os.getppid()
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torchvision.utils import make_grid
 
-from train_common import get_args_parser as _common_parser  # noqa: E402
-from train_common import train  # noqa: E402
+from model import MODELS, freeze_backbone, get_model
+from multi_train_utils.checkpoint import (claim_output_dir, load_checkpoint, load_pretrained,
+                                          move_earlier_run, rerun_hint, restore, resume_path,
+                                          save_epoch, to_cpu, write_metrics)
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
+                                                 cleanup, cpus_per_process, init_distributed_mode,
+                                                 is_main_process, register_comm_hook, run_on_main)
+from multi_train_utils.guard import ConfigError, guarded, signals_deferred
+from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
+from multi_train_utils.train_eval_utils import (evaluate, format_report, resolve_amp_dtype,
+                                               train_one_epoch)
+from my_dataset import MyDataSet, default_workers, loader_kwargs
+from utils import (BoolFlag, HelpFormatter, confusion_figure, default_demo_root, get_transforms,
+                   label_by_class_name, make_demo_data, number, path_flag, scan_image_folder,
+                   split_train_val, write_json_atomic, write_scan_files)
 
-
-def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    return _common_parser(add_help=add_help, launcher="launch")
+log = logging.getLogger("train")
 
 
 def main(args: argparse.Namespace) -> None:
-    train(args, launcher_pid=_LAUNCHER_PID)
+    # 1. Processes: torchrun/srun/spawn tell each process its rank; NCCL on GPUs, gloo on CPU.
+    info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
+                                 timeout_s=args.dist_timeout)
+    check_args(args, info.world_size)
+    device, out = info.device, Path(args.output_dir)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpus_per_process())  # N processes x all cores would oversubscribe
+    torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN pick its fastest kernels
+    ckpt_path = resume_path(args.resume, out)
+    if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
+        run_on_main(claim_output_dir, out)
+        if ckpt_path != str(out / "checkpoint.pth"):
+            run_on_main(move_earlier_run, out)
+
+    # 2. Data. Rank 0 scans the folder (unreadable files are skipped and listed) and shares the
+    # list; each machine reads it below its own --data-path. The split depends only on --seed.
+    root = args.data_path or str(make_demo_data(args.demo_dir or default_demo_root()))
+    scan = run_on_main(scan_image_folder, root, verify=args.verify_images).rebased(root)
+    classes = scan.classes
+    if args.val_path:  # an already split data set: all of --data-path trains
+        val_scan = run_on_main(scan_image_folder, args.val_path, min_classes=1)
+        train_paths, train_labels, _, _ = split_train_val(scan, 0.0, args.seed)
+        val_paths, val_labels = label_by_class_name(classes, val_scan.rebased(args.val_path))
+    else:  # a file's side depends only on its name and --seed: stable as the folder grows
+        train_paths, train_labels, val_paths, val_labels = split_train_val(
+            scan, args.val_rate, args.seed)
+    transforms = get_transforms(args.img_size)
+    skip_log = None if args.eval_only else out / "skipped_files.txt"
+    train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
+                          skip_log=skip_log, replace_unreadable=True)
+    val_set = MyDataSet(val_paths, val_labels, transforms["val"], skip_log=skip_log)
+    # Each rank draws its own 1/N of a permutation that changes every epoch (set_epoch); the
+    # validation sampler pads to a multiple of N, and evaluate() drops the padding again.
+    train_sampler = DistributedSampler(train_set, info.world_size, info.rank, seed=args.seed)
+    val_sampler = DistributedSampler(val_set, info.world_size, info.rank, shuffle=False)
+    # drop_last: every rank takes the same number of steps, or DDP would wait for a missing one.
+    train_batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=True)
+    workers = args.workers if args.workers is not None else default_workers(args.batch_size)
+    train_loader = DataLoader(train_set, batch_sampler=train_batch_sampler,
+                              **loader_kwargs(workers, device))
+    val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
+                            **loader_kwargs(workers, device))
+    if len(train_loader) == 0 and not args.eval_only:
+        raise ConfigError(f"{len(train_set)} training images make no batch of {args.batch_size} "
+                          f"for each of {info.world_size} process(es); lower --batch-size.")
+
+    # 3. Model. DDP copies rank 0's weights to every rank when it wraps the model, so only rank 0
+    # reads --weights. SyncBatchNorm computes BatchNorm statistics over the global batch.
+    model = get_model(args.model, num_classes=len(classes))
+    if args.weights and ckpt_path is None:
+        run_on_main(load_pretrained, model, args.weights, strict=args.eval_only)
+    if args.freeze_layers:
+        freeze_backbone(model)  # only fc trains; BatchNorm statistics stay as loaded
+    if args.sync_bn and info.distributed:
+        model = convert_sync_batchnorm(model, device)  # torch's on CUDA, ours on CPU
+    channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
+    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    model_without_ddp = model  # what is saved: no "module." prefix in the files
+    if info.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
+        register_comm_hook(model, args.comm_hook)
+    if args.compile:
+        model = torch.compile(model)
+
+    # 4. Optimizer and schedule. Linear scaling (Goyal et al. 2017, arXiv:1706.02677): N
+    # processes average N times as many images per step, so the lr grows N times.
+    amp_dtype = resolve_amp_dtype(args.amp, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
+    lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
+    params = [p for p in model_without_ddp.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    def cosine(epoch: int) -> float:  # from lr to lr x lrf over the run (SGDR, arXiv:1608.03983)
+        return (1 + math.cos(epoch * math.pi / args.epochs)) / 2 * (1 - args.lrf) + args.lrf
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine)
+
+    # 5. Resume: weights, optimizer, RNG and the schedule's place, from the last complete epoch.
+    start_epoch, best_acc, best_loss, history = 0, 0.0, math.inf, []
+    if ckpt_path:
+        ckpt = load_checkpoint(ckpt_path, args, classes)
+        start_epoch, best_acc, best_loss, history = restore(
+            ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
+    if args.eval_only:
+        result = evaluate(model, val_loader, device, amp_dtype=amp_dtype,
+                          channels_last=channels_last)
+        log.info(format_report(result, classes))
+        return cleanup()
+    run_on_main(write_metrics, out, history)  # each finished epoch once, as the checkpoint says
+    if start_epoch >= args.epochs:
+        log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
+                 start_epoch - 1, args.epochs)
+        return cleanup()
+    # Rank 0 alone writes files and TensorBoard (the others would write the same, racing).
+    run_on_main(write_scan_files, out, scan)  # class_indices.json, skipped_files.txt, histogram
+    run_on_main(write_json_atomic, out / "args.json", run_args(args, info, images_per_step))
+    writer = tensorboard_writer(out, start_epoch, train_set) if args.tensorboard else None
+    log.info("%d process(es) on %s, %d images per step, lr %.3g, %d loader workers, amp %s, "
+             "epochs %d-%d", info.world_size, device, images_per_step,
+             optimizer.param_groups[0]["lr"], workers, amp_dtype, start_epoch, args.epochs - 1)
+
+    # 6. Epochs. set_epoch reshuffles; the loss and accuracy are already reduced over all ranks.
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
+        t0 = time.perf_counter()
+        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, scaler=scaler,
+                                     amp_dtype=amp_dtype, grad_accum_steps=args.grad_accum_steps,
+                                     clip_grad_norm=args.clip_grad_norm,
+                                     print_freq=args.print_freq, channels_last=channels_last)
+        train_seconds = time.perf_counter() - t0
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+        result = evaluate(model, val_loader, device, amp_dtype=amp_dtype,
+                          channels_last=channels_last)
+        record = {"epoch": epoch, "train_loss": round(train_loss, 6),
+                  "val_acc": round(result.top1, 6), "val_loss": round(result.loss, 6),
+                  "val_top5": None if result.top5 is None else round(result.top5, 6), "lr": lr,
+                  "epoch_seconds": round(time.perf_counter() - t0, 3),
+                  "train_images_per_sec": round(len(train_loader) * args.batch_size
+                                                * info.world_size / train_seconds, 2)}
+        history.append(record)
+        # A tie in accuracy, usual on a small validation set, goes to the lower loss.
+        is_best = (result.top1, -result.loss) > (best_acc, -best_loss)
+        if is_best:
+            best_acc, best_loss = result.top1, result.loss
+        log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
+                 "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record))
+        state = None
+        if info.is_main:
+            state = {"model": to_cpu(model_without_ddp.state_dict()),
+                     "optimizer": to_cpu(optimizer.state_dict()), "epoch": epoch,
+                     "best_acc": best_acc, "best_loss": best_loss, "classes": classes,
+                     "args": run_args(args, info, images_per_step), "metrics": history}
+            if scaler.is_enabled():
+                state["scaler"] = scaler.state_dict()
+        with signals_deferred():  # a stop signal waits until the epoch is on disk
+            save_epoch(out, state, record, is_best, args.keep_last)
+        if writer:
+            for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
+                writer.add_scalar(tag, record[tag], epoch)
+            if epoch == args.epochs - 1:
+                writer.add_figure("confusion_matrix", confusion_figure(result.confusion, classes))
+            writer.flush()
+    cleanup()
+
+
+def tensorboard_writer(out: Path, start_epoch: int, train_set: MyDataSet):
+    """Rank 0's SummaryWriter; a resumed run drops what a lost epoch logged, then continues."""
+    if not is_main_process():
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # an optional extra: imported when used
+
+    writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_epoch or None)
+    images = torch.stack([train_set[i][0] for i in range(min(16, len(train_set)))])
+    writer.add_image("train_images", make_grid(images, nrow=8), start_epoch)
+    return writer
+
+
+def run_args(args: argparse.Namespace, info: DistInfo, images_per_step: int) -> dict:
+    """The flags as recorded in args.json and every checkpoint (a resume compares them)."""
+    return {**vars(args), "world_size": info.world_size, "images_per_step": images_per_step}
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    """Flags that contradict each other: one sentence each, before anything is read."""
+    out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
+    if not args.eval_only and out.is_relative_to(data.resolve()):
+        raise ConfigError(f"--output-dir {args.output_dir} is inside the data folder {data}, "
+                          "where its files would be read as images; choose another folder.")
+    if args.val_rate >= 1 and not (args.eval_only or args.val_path):
+        raise ConfigError("--val-rate 1 leaves no image to train on (it is for --eval-only).")
+    has_model = args.weights or resume_path(args.resume, out)
+    if args.eval_only and not has_model:
+        raise ConfigError("--eval-only needs a model: give --resume CHECKPOINT or --weights FILE.")
+    if args.freeze_layers and not has_model:
+        raise ConfigError("--freeze-layers trains only the classifier on the features of "
+                          "--weights, but no --weights was given; add it or drop the flag.")
+    if args.world_size is not None and args.world_size != world_size:
+        raise ConfigError(f"--world-size {args.world_size}, but the launcher started "
+                          f"{world_size} process(es) (torchrun --nproc_per_node, srun -n).")
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help,
+                                     formatter_class=HelpFormatter)
+    count, positive, nonnegative = number(int, 1), number(float, 0, above=True), number(float, 0)
+    fraction, seed = number(float, 0, 1), number(int, 0, 2**32 - 1)  # numpy's seed range
+    group = parser.add_argument_group("data")
+    group.add_argument("--data-path", "--data_path", type=path_flag,
+                       help="a folder with a sub-folder of images per class (default: demo data)")
+    group.add_argument("--demo-dir", type=path_flag, help="where the demo data is generated")
+    group.add_argument("--val-rate", type=fraction, default=0.2, help="held out per class")
+    group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
+    group.add_argument("--img-size", type=count, default=224, help="training crop size")
+    group.add_argument("--num-classes", "--num_classes", type=count, help="the folders decide")
+    group.add_argument("--workers", type=number(int, 0), help="per process (min(CPUs, batch, 8))")
+    group.add_argument("--verify-images", action=BoolFlag, default=True,
+                       help="check every image's header before training")
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="network")
+    group.add_argument("--weights", type=path_flag, help="initial weights (what fits is loaded)")
+    group.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
+                       help="train only the classifier (fc)")
+    group.add_argument("--sync-bn", "--syncBN", dest="sync_bn", action=BoolFlag, default=True,
+                       help="BatchNorm statistics over the global batch")
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--epochs", type=count, default=30, help="in all, resumed ones included")
+    group.add_argument("--batch-size", "--batch_size", type=count, default=16, help="per process")
+    group.add_argument("--lr", type=positive, default=0.001, help="for one process's batch")
+    group.add_argument("--scale-lr", action=BoolFlag, default=True,
+                       help="lr x world size x --grad-accum-steps (linear scaling)")
+    group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
+    group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD momentum")
+    group.add_argument("--weight-decay", type=nonnegative, default=0.005, help="SGD weight decay")
+    group.add_argument("--grad-accum-steps", type=count, default=1, help="step every K batches")
+    group.add_argument("--clip-grad-norm", type=positive, help="max gradient norm")
+    group = parser.add_argument_group("speed")
+    group.add_argument("--amp", action=BoolFlag, help="mixed precision (default: on for CUDA)")
+    group.add_argument("--channels-last", action=BoolFlag, help="NHWC (default: on for CUDA)")
+    group.add_argument("--compile", action=BoolFlag, default=False, help="torch.compile")
+    group.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="DDP bucket size")
+    group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
+                       help="all-reduce gradients in 16 bits (half the bytes, rounded)")
+    group = parser.add_argument_group("distributed")
+    group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
+    group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
+    group.add_argument("--dist-timeout", type=positive, default=DEFAULT_TIMEOUT_S,
+                       help="seconds a collective waits for a peer before failing")
+    group.add_argument("--world-size", "--world_size", type=count,
+                       help="processes (spawn launcher; elsewhere the launcher decides)")
+    group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    group = parser.add_argument_group("run")
+    group.add_argument("--output-dir", type=path_flag, default="runs/train", help="the run's files")
+    group.add_argument("--resume", type=path_flag, default="auto",
+                       help="auto: <output-dir>/checkpoint.pth if there; none; or a checkpoint")
+    group.add_argument("--keep-last", type=number(int, 0), default=0,
+                       help="keep the newest K weights/model-N.pth (0: all)")
+    group.add_argument("--eval-only", action=BoolFlag, default=False,
+                       help="evaluate the --resume/--weights model and exit")
+    group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")
+    group.add_argument("--print-freq", type=count, default=50, help="log every N steps")
+    group.add_argument("--tensorboard", action=BoolFlag, default=True, help="rank 0 logs curves")
+    return parser
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    cli_args = get_args_parser().parse_args()
+    guarded(main, cli_args, rerun_hint=lambda: rerun_hint(cli_args.output_dir, cli_args.resume))

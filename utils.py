@@ -1,36 +1,36 @@
-"""Data helpers: find and split an image folder, write class indices, plot, make demo data."""
+"""Data helpers: scan and split an image folder, transforms, plots, demo data.
+
+A dataset is ``root/<class>/**/<image>``, the layout of ``torchvision.datasets.ImageFolder`` and
+of the tutorial's ``flower_photos``. What cannot be used (other files, hidden files, empty or
+unreadable images, dangling links) is skipped and listed with a reason, never dropped unsaid;
+a mistake in the layout itself is a :class:`DataError`, said in one sentence.
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
-import filecmp
-import functools
 import hashlib
 import json
 import logging
 import math
 import os
 import random
-import re
 import shutil
-import stat
-import sys
 import tempfile
-import unicodedata
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 from torchvision.transforms import v2
 
-from multi_train_utils.checkpoint import write_atomic
-from multi_train_utils.distributed_utils import is_main_process
+from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
 from my_dataset import check_image, printable_path
 
@@ -38,739 +38,382 @@ log = logging.getLogger(__name__)
 
 # .jpe and .jfif are JPEG too (Windows and browsers save them); decoders read the content.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".gif", ".tif",
-                  ".tiff", ".avif")
-# Folder names that mean "already split" (train/val/class/img), not classes.
-SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "test", "testing"}
+                  ".tiff")
+LAYOUT = "one sub-folder of images per class (e.g. flower_photos/daisy/*.jpg)"
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A problem with the user's data, said in one sentence (what, where, how to fix)."""
-
-
-# Words that make up the subject of a skip reason ("dangling link or missing file", "file name
-# is ..."): the nouns counted and the adjectives before them.
-_COUNTED_NOUNS = {"file", "folder", "link", "duplicate", "image", "name"}
-_SUBJECT_WORDS = _COUNTED_NOUNS | {"hidden", "empty", "dangling", "missing", "unreadable", "or"}
-
-
-def _counted(count: int, reason: str) -> str:
-    """``reason`` counted: ``"1 hidden file"``, ``"2 hidden files"``, ``"35 images in the data
-    root, not in a class folder"``, ``"2 file names are not valid UTF-8; rename them"``, ``"3 not
-    readable images"``; a reason without a noun to count is a label: ``"2 permission denied"``,
-    ``"30 not an image extension"`` (a file is not an extension)."""
-    words = reason.split(" ")
-    if count == 1:
-        return f"1 {reason}"
-    if words[:2] in (["not", "a"], ["not", "an"]) and words[-1] in {"file", "image"}:
-        return f"{count} not {' '.join(words[2:])}s"
-    # The subject is the leading run of nouns and adjectives; the last noun before the end of
-    # the subject or an "or" is what is counted ("file name": names), then its verb agrees.
-    end = next((i for i, w in enumerate(words) if w not in _SUBJECT_WORDS), len(words))
-    heads = [i for i in range(end) if words[i] in _COUNTED_NOUNS
-             and (i + 1 == end or words[i + 1] == "or")]
-    for i in heads:
-        words[i] += "s"
-    if heads and end < len(words):
-        words[end] = {"is": "are", "has": "have"}.get(words[end], words[end])
-    text = " ".join(words)
-    return f"{count} {text.replace('; rename it', '; rename them') if heads else text}"
 
 
 @dataclass
 class FolderScan:
-    """What was found under a dataset root: classes (sorted), their images, what was skipped."""
+    """What :func:`scan_image_folder` found: classes (sorted), their images, what it skipped."""
 
     root: str
     classes: list[str]
-    images: list[list[str]]  # images[i]: sorted image paths of classes[i]
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
-    dropped_classes: list[str] = field(default_factory=list)
+    images: list[list[str]]  # images[i]: sorted paths of the images of classes[i]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # sorted (path, reason)
 
-    def skipped_note(self, examples: int = 3) -> str:
-        """``"; skipped 2 file(s): 1 empty file, 1 not a readable image (e.g. a/x.jpg: empty
-        file; ...)"`` for an error message: why the images it did not find are missing, with one
-        file per reason for the first ``examples`` reasons ("" if nothing was skipped)."""
+    def summary(self, examples: int = 10) -> str:
+        """A line of counts, then up to ``examples`` skipped files: one of each reason first,
+        so 30 sidecar .txt files do not hide the one corrupt image."""
+        line = f"{sum(map(len, self.images))} images in {len(self.classes)} classes in {self.root}"
         if not self.skipped:
-            return ""
-        by_reason = self._by_reason()
-        first = sorted(f"{p}: {why}" for (p, why), *_ in by_reason.values())
-        return (f"; skipped {len(self.skipped)} file(s): "
-                + ", ".join(_counted(len(v), why) for why, v in sorted(by_reason.items()))
-                + f" (e.g. {'; '.join(first[:examples])})")
+            return line
+        counts = Counter(why.split(" (")[0] for _, why in self.skipped)
+        line += f"; skipped {len(self.skipped)} files (" + ", ".join(
+            f"{why}: {n}" for why, n in sorted(counts.items())) + ")"
+        shown = sorted({w.split(" (")[0]: (p, w) for p, w in reversed(self.skipped)}.values())
+        shown += [x for x in self.skipped if x not in shown]
+        more = f"\n  ... and {len(self.skipped) - examples} more" * (len(self.skipped) > examples)
+        return "\n".join([line] + [f"  skipped {p}: {why}" for p, why in shown[:examples]]) + more
 
-    def _by_reason(self) -> dict[str, list[tuple[str, str]]]:
-        """Skipped ``(path, reason)`` pairs grouped by the reason's short form (before " (")."""
-        by_reason: dict[str, list[tuple[str, str]]] = {}
-        for path, why in self.skipped:
-            by_reason.setdefault(why.split(" (")[0], []).append((path, why))
-        return by_reason
+    def rebased(self, root: str) -> FolderScan:
+        """The same files below ``root``: each machine reads its own copy of rank 0's scan."""
+        old = os.path.join(self.root, "")
 
-    def summary(self) -> str:
-        """One paragraph for the log: counts, then what was skipped and why."""
-        total = sum(len(x) for x in self.images)
-        lines = [f"{total} images in {len(self.classes)} classes under {self.root}"]
-        if self.dropped_classes:
-            lines.append(f"dropped {len(self.dropped_classes)} class folder(s) with no usable "
-                         f"image: {', '.join(self.dropped_classes)}")
-        if self.skipped:
-            by_reason = self._by_reason()
-            lines.append(f"skipped {len(self.skipped)} file(s): "
-                         + ", ".join(_counted(len(v), why) for why, v in sorted(by_reason.items())))
-            if "not an image extension" in by_reason:
-                lines[-1] += f" (read: {' '.join(IMG_EXTENSIONS)})"
-            # Up to 20 examples, shared among the reasons: 30 sidecar .txt files must not hide
-            # the one corrupt image.
-            each = max(1, 20 // len(by_reason))
-            shown = sorted(x for items in by_reason.values() for x in items[:each])
-            lines += [f"  skipped {p}: {why}" for p, why in shown]
-            if len(self.skipped) > len(shown):
-                lines.append(f"  ... and {len(self.skipped) - len(shown)} more (see "
-                             "skipped_files.txt)")
-        return "\n".join(lines)
+        def move(path: str) -> str:
+            return os.path.join(root, path[len(old):]) if path.startswith(old) else path
+        images = [[move(p) for p in paths] for paths in self.images]
+        return FolderScan(root, list(self.classes), images, [(move(p), w) for p, w in self.skipped])
 
 
-def _walk_files(folder: str, loops_back: Callable[[str], str | None]
-                ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Every file below ``folder`` as ``(path, real path of its folder)``, sorted, and the folders
-    left out, as ``(path, reason)``.
+def _class_folders(root: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The class folder names in ``root`` (sorted) and its other entries, with a reason."""
+    if not os.path.isdir(root):
+        what = "is not a folder" if os.path.exists(root) else "does not exist"
+        raise DataError(f"data path {root} {what}; expected a folder with {LAYOUT}.")
+    try:
+        with os.scandir(root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        raise DataError(f"cannot read data folder {root} ({exc.strerror}); give the training "
+                        "user read and execute access to it.") from None
+    classes, skipped = [], []
+    for entry in entries:
+        path = os.path.join(root, entry.name)
+        if entry.is_dir() and not entry.name.startswith("."):  # .git, .cache: no classes
+            classes.append(entry.name)
+        elif entry.is_symlink() and not os.path.exists(path) and "." not in entry.name:
+            raise DataError(f"class folder {printable_path(entry.name)} in {root} is a link to "
+                            f"{os.readlink(path)}, which does not exist (storage not mounted?); "
+                            "mount it, or remove the link to train without that class.")
+        else:
+            skipped.append((path, "not in a class folder"))
+    return classes, skipped
 
-    Symlinked folders are followed once (no loops), unless ``loops_back`` gives a reason not to
-    for their real path. Hidden and unreadable folders are not entered but reported, so nothing
-    below them is lost without a word.
-    """
-    found: list[str] = []
-    skipped: list[tuple[str, str]] = []
-    seen: dict[str, str] = {}  # real path -> first path it was walked under
 
-    def unreadable(exc: OSError) -> None:
-        # os.walk drops folders it cannot list unless told; the class would vanish unexplained.
-        why = "permission denied" if isinstance(exc, PermissionError) else (
-            f"unreadable folder ({exc.strerror or type(exc).__name__})")
-        skipped.append((exc.filename or folder, why))
+def _walk_class(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """Image-named files below ``folder`` (sorted) and what was left out, with a reason. Linked
+    sub-folders (a link up the tree would loop), hidden and unreadable ones are not entered."""
+    found, skipped = [], []
 
-    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable, followlinks=True):
-        real = os.path.realpath(dirpath)  # once per folder, not per file
-        why = loops_back(real) or (f"duplicate (same folder as {printable_path(seen[real])})"
-                                   if real in seen else None)
-        if why:
-            skipped.append((dirpath, why))
-            dirnames[:] = []
-            continue
-        seen[real] = dirpath
-        skipped += [(os.path.join(dirpath, d), "hidden folder")
-                    for d in dirnames if d.startswith(".")]
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [(os.path.join(dirpath, f), real) for f in filenames]
+    def unreadable(exc: OSError) -> None:  # os.walk would leave the folder out unsaid
+        skipped.append((exc.filename or folder, f"unreadable folder ({exc.strerror})"))
+
+    for top, dirs, files in os.walk(folder, onerror=unreadable):
+        for name in [d for d in dirs if d.startswith(".") or os.path.islink(os.path.join(top, d))]:
+            dirs.remove(name)
+            why = "hidden folder" if name.startswith(".") else "linked folder, not followed"
+            skipped.append((os.path.join(top, name), why))
+        for name in files:
+            path = os.path.join(top, name)
+            if name.startswith("."):
+                skipped.append((path, "hidden file"))
+            elif not name.lower().endswith(IMG_EXTENSIONS):
+                skipped.append((path, "not an image extension"))
+            else:
+                found.append(path)
     return sorted(found), skipped
 
 
-def _real_file(path: str, real_dir: str, loops_back: Callable[[str], str | None]
-               ) -> tuple[str | None, str | None]:
-    """``(os.path.realpath(path), None)``, or ``(None, why)`` for a dangling link, a link that
-    ``loops_back`` refuses, a FIFO or device (reading one blocks forever) or an empty file; for
-    the price of one ``lstat``: the folder's real path is known from the walk, so only symlinked
-    files need resolving (realpath on every file costs a syscall per path component, seconds on
-    ImageNet). These checks hold without ``--verify-images`` too: they cost nothing more than
-    the walk."""
-    try:
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            st = os.stat(path)
-            real = os.path.realpath(path)
-            if why := loops_back(real):
-                return None, why
-        else:
-            real = os.path.join(real_dir, os.path.basename(path))
-    except PermissionError:  # a folder that may be listed but not entered (no x bit)
-        return None, "permission denied"
-    except OSError:  # a dangling link, or gone since it was listed
-        return None, "dangling link"
-    if not stat.S_ISREG(st.st_mode):
-        return None, "not a regular file"
-    return (None, "empty file") if st.st_size == 0 else (real, None)
-
-
-def _dead_class_link(root: str, name: str, exc: OSError) -> str:
-    """The error for a link in the data folder that leads nowhere: most likely a class folder on
-    storage that is not mounted, whose class would otherwise vanish from the run unsaid."""
-    path = os.path.join(root, name)
-    try:
-        target = os.path.normpath(os.path.join(root, os.readlink(path)))
-    except OSError:  # replaced since it was listed
-        target = "?"
-    where = (f"class folder {printable_path(name)} in {printable_path(root)} is a link to "
-             f"{printable_path(target)}")
-    fix = "or remove the link to train without that class."
-    if isinstance(exc, FileNotFoundError):
-        return f"{where}, which does not exist (storage not mounted?); mount it, {fix}"
-    if isinstance(exc, PermissionError):
-        return (f"{where}, which this user may not open (permission denied); give it read and "
-                f"execute access, {fix}")
-    why = "it loops back to itself" if exc.errno == errno.ELOOP else exc.strerror or exc
-    return f"{where}, which cannot be reached ({why}); point it at the class's images, {fix}"
-
-
-def _is_utf8(name: str) -> bool:
-    """False for names that were not valid UTF-8 on disk (Python keeps those bytes as lone
-    surrogates, which fail later when written to skipped_files.txt or class_indices.json)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _not_utf8(name: str) -> str:
-    """Why :func:`_is_utf8` refused ``name``, and the fix: its bytes are not UTF-8 (rename it),
-    or they are but this Python decodes file names otherwise (a C or POSIX locale with
-    PYTHONUTF8=0: every non-ASCII name fails)."""
-    try:
-        os.fsencode(name).decode("utf-8")
-    except UnicodeDecodeError:
-        return "is not valid UTF-8; rename it"
-    return (f"is UTF-8, but this Python reads file names as {sys.getfilesystemencoding()}; run "
-            "it with PYTHONUTF8=1 (or in a UTF-8 locale, LC_ALL=C.UTF-8)")
-
-
-def scan_image_folder(root: str, *, verify: bool = True, threads: int = 8,
+def scan_image_folder(root: str | os.PathLike, *, verify: bool = True,
                       min_classes: int = 2) -> FolderScan:
-    """Find ``root/<class>/**/<image>``; classes are the sorted sub-folder names.
+    """Find ``root/<class>/**/<image>``; the classes are the sorted sub-folder names.
 
-    Hidden files and folders, other extensions, names that are not valid UTF-8, unreadable
-    folders, dangling links, second paths to an already found file (symlinks; the first in
-    sorted order is kept, so one image cannot land in both train and val), links (class
-    folders, sub-folders, files) back to the data folder or into another class's real folder
-    (its images keep their own class) and (with ``verify``) files that are not readable images
-    are skipped and listed; class folders left empty are dropped. Raises :class:`DataError` when
-    the root cannot be read, a class folder is a link to nothing (storage not mounted), a class
-    folder name is not valid UTF-8, two class folder names look the same, or fewer than
-    ``min_classes`` classes with images remain (a test folder scored against a trained model
-    may hold one).
+    Hidden files, other extensions, dangling links, empty files, linked or unreadable
+    sub-folders and (``verify``: a header read per file) unreadable images are skipped and
+    listed. A :class:`DataError` for a root that is missing or unreadable, a class folder
+    linked to storage that is not there, fewer than ``min_classes`` class folders, or a class
+    folder without a usable image.
     """
-    if not os.path.isdir(root):
-        what = "is not a folder" if os.path.exists(root) else "does not exist"
-        raise DataError(f"data path {root} {what}; expected a folder with one sub-folder of "
-                        "images per class (e.g. flower_photos/daisy/*.jpg).")
-    try:
-        with os.scandir(root) as entries:
-            # is_symlink() comes with the listing, without a syscall: only links need a closer look.
-            listing = [(entry.name, entry.is_symlink()) for entry in entries]
-    except OSError as exc:
-        why = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or exc
-        raise DataError(f"cannot read data folder {root}: {why}; check its permissions "
-                        "(the training user needs read and execute access).") from None
-    names = [name for name, _ in listing]
-    links = {name for name, is_link in listing if is_link and not name.startswith(".")}
-    folders = [d for d in names if not d.startswith(".") and os.path.isdir(os.path.join(root, d))]
-    skipped: list[tuple[str, str]] = []
-    for name in sorted(links.difference(folders)):
-        path = os.path.join(root, name)
-        try:
-            os.stat(path)  # a link to a file is no class; one to nothing may have been a class
-        except OSError as exc:
-            # A loose image or another file's name (labels.csv): no class either way.
-            if name.lower().endswith(IMG_EXTENSIONS) or re.fullmatch(
-                    r".+\.[A-Za-z][A-Za-z0-9]{0,4}", name):
-                skipped.append((path, "dangling link"))
-                continue
-            raise DataError(_dead_class_link(root, name, exc)) from None
-
-    # A link that leads back into the data set would give the images it reaches a second,
-    # wrong label: a class folder "Rose" -> roses, sorting first, took all of roses' images (the
-    # real ones were then dropped as duplicates); a sub-folder b/up -> .. took every class's.
-    # Only the real folder labels its images. Real paths of plain class folders come free from
-    # the root's; only links are resolved (once per link, never once per file).
-    real_root = os.path.realpath(root)
-    plain_classes = {d for d in folders if d not in links}
-
-    def loops_back(real: str, own: str | None = None) -> str | None:
-        """Why a link to ``real`` found in class folder ``own`` is not followed, or None."""
-        if real == real_root:
-            return "link to the data folder"
-        if real.startswith(os.path.join(real_root, "")):
-            top = real[len(os.path.join(real_root, "")):].split(os.sep, 1)[0]
-            if top in plain_classes and top != own:
-                return f"link into class {unicodedata.normalize('NFC', top)}"
-        return None
-
-    class_names = []
-    for name in folders:
-        why = name in links and loops_back(os.path.realpath(os.path.join(root, name)))
-        if why:
-            skipped.append((os.path.join(root, name), why))
-        else:
-            class_names.append(name)
-    # Sorted by the NFC form, as they are named below: a copy whose folder names are NFD
-    # (macOS) gets the same class indices.
-    class_names.sort(key=lambda d: unicodedata.normalize("NFC", d))
-    loose = sum(1 for n in names if n.lower().endswith(IMG_EXTENSIONS) and not n.startswith("."))
-    # A class folder given as the data path holds its images itself: name the folder above.
-    parent_hint = (f"; it holds {loose} image(s) itself, like one class's folder: did you mean "
-                   f"{os.path.dirname(os.path.abspath(root))}?" if loose else ".")
-    if not class_names:
-        raise DataError(f"data path {root} has no class sub-folders; expected one sub-folder of "
-                        f"images per class (e.g. flower_photos/daisy/*.jpg){parent_hint}"
-                        + (" Otherwise sort its images into one sub-folder per class." if loose
-                           else ""))
-    for name in class_names:
-        if not _is_utf8(name):
-            raise DataError(f"class folder {printable_path(name)} in {printable_path(root)}: "
-                            f"its name {_not_utf8(name)} (class names are written to "
-                            "class_indices.json and checkpoints).")
-    _check_class_names(root, class_names)
-    # Images next to the class folders belong to no class: listed, not silently left out.
-    skipped += [
-        (os.path.join(root, n), "image in the data root, not in a class folder")
-        for n in sorted(names) if n.lower().endswith(IMG_EXTENSIONS) and not n.startswith(".")
-        and os.path.isfile(os.path.join(root, n))]
-    candidates: list[list[str]] = []
-    first_of: dict[str, str] = {}  # real path -> first path found for it
-    for name in class_names:
-        kept = []
-        class_dir = os.path.join(root, name)
-        in_class = functools.partial(loops_back, own=name)
-        files, skipped_dirs = _walk_files(class_dir, in_class)
-        skipped += skipped_dirs
-        for path, real_dir in files:
-            base = os.path.basename(path)
-            if base.startswith("."):
-                skipped.append((path, "hidden file"))
-            elif not _is_utf8(os.path.relpath(path, class_dir)):
-                what = "file" if not _is_utf8(base) else "folder"
-                skipped.append((path, f"{what} name {_not_utf8(path)}"))
-            elif not base.lower().endswith(IMG_EXTENSIONS):
-                # os.walk lists a dangling link to a folder as a file; only files that failed
-                # the extension test pay for this check.
-                dangling = os.path.islink(path) and not os.path.exists(path)
-                skipped.append((path, "dangling link" if dangling else "not an image extension"))
-            elif (found := _real_file(path, real_dir, in_class))[0] is None:
-                skipped.append((path, found[1]))
-            elif (real := found[0]) in first_of:
-                skipped.append((path, f"duplicate (same file as {printable_path(first_of[real])})"))
-            else:
-                first_of[real] = path
-                kept.append(path)
-        candidates.append(kept)
-
-    if verify:
-        flat = [p for paths in candidates for p in paths]
-        # Header checks are I/O-bound (PIL releases the GIL while reading), so threads help.
-        # PIL warns from half its decompression-bomb limit: such photos are fine. (The filter is
-        # process-wide state, so it is set here, around the threads, not inside each check.)
-        with ThreadPoolExecutor(max(1, threads)) as pool, warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            verdicts = {}
-            for first in range(0, len(flat), 4096):  # map() makes every future at once: in
-                chunk = flat[first:first + 4096]       # chunks (1.28M futures: ~1.4 GB)
-                verdicts.update(zip(chunk, pool.map(check_image, chunk)))
-        skipped += [(p, why) for p, why in verdicts.items() if why]
-        candidates = [[p for p in paths if not verdicts[p]] for paths in candidates]
-
-    classes, images, dropped = [], [], []
-    for name, paths in zip(class_names, candidates):
-        # The NFC form: "café" copied from macOS (NFD) is the same class as typed elsewhere.
-        (classes if paths else dropped).append(unicodedata.normalize("NFC", name))
-        if paths:
-            images.append(paths)
-    # Reported paths must survive being written as UTF-8, whatever bytes the disk holds.
-    scan = FolderScan(root=root, classes=classes, images=images,
-                      skipped=sorted((printable_path(p), why) for p, why in skipped),
-                      dropped_classes=dropped)
-    if not classes:
-        raise DataError(f"no readable images found under {root} (looked for "
-                        f"{', '.join(IMG_EXTENSIONS)} in {len(class_names)} class folders)"
-                        f"{scan.skipped_note()}.")
+    root = os.fspath(root)
+    classes, skipped = _class_folders(root)
+    if not classes:  # --data-path flower_photos/roses: a class folder, holding images itself
+        hint = (f"; it holds images itself: did you mean {os.path.dirname(os.path.abspath(root))}?"
+                if any(p.lower().endswith(IMG_EXTENSIONS) for p, _ in skipped) else ".")
+        raise DataError(f"data path {root} has no class sub-folders; expected {LAYOUT}{hint}")
     if len(classes) < min_classes:
-        dropped_note = (f"; dropped class folder(s) with no usable image: {', '.join(dropped)}"
-                        if dropped else "")
-        # flower_photos/ given as its parent: the one "class" holds the class folders.
-        parts = [Path(os.path.relpath(path, root)).parts for path in images[0]]
-        if not loose and all(len(p) > 2 for p in parts) and len({p[1] for p in parts}) > 1:
-            subs = sorted({p[1] for p in parts})
-            parent_hint = (f"; its images all sit in {len(subs)} sub-folders of {parts[0][0]} "
-                           f"({short_list(subs, 3)}): if those are the classes, pass --data-path "
-                           f"{os.path.join(root, parts[0][0])}")
-        raise DataError(f"only one class with images under {root} ({classes[0]}){dropped_note}"
-                        f"{scan.skipped_note()}; classification needs at least two class folders "
-                        f"with images{parent_hint}")
-    return scan
+        raise DataError(f"data path {root} has {len(classes)} class folder(s) ("
+                        f"{', '.join(classes)}); at least {min_classes} are needed, {LAYOUT}.")
+    walks = [_walk_class(os.path.join(root, name)) for name in classes]
+    images = [found for found, _ in walks]
+    skipped += [x for _, left_out in walks for x in left_out]
+    paths = [p for found in images for p in found]
+    reasons: list[str | None] = []
+    # Header reads wait on storage (PIL releases the GIL): threads help. In chunks, as map()
+    # makes all its futures at once: over a GB for ImageNet's 1.28M files.
+    with ThreadPoolExecutor(8) as pool:
+        for start in range(0, len(paths), 4096):
+            reasons += pool.map(partial(check_image, read_header=verify), paths[start:start + 4096])
+    bad = {p: why for p, why in zip(paths, reasons) if why}
+    images = [[p for p in found if p not in bad] for found in images]
+    skipped = sorted((printable_path(p), why) for p, why in [*skipped, *bad.items()])
+    for name, found in zip(classes, images):
+        if not found:
+            folder = printable_path(os.path.join(root, name))
+            inside = [f"{p}: {why}" for p, why in skipped if p.startswith(folder + os.sep)]
+            note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
+            raise DataError(f"class folder {folder} has no usable image{note}; add images or "
+                            "remove the folder.")
+    return FolderScan(root, classes, images, skipped)
 
 
-def user_path(text: str) -> str:
-    """A path flag with ``~`` expanded: it reaches the script unexpanded when quoted or written
-    ``--flag=~/data``."""
-    return os.path.expanduser(text)
+def split_train_val(scan: FolderScan, val_rate: float, seed: int
+                    ) -> tuple[list[str], list[int], list[str], list[int]]:
+    """Split each class: a file validates when the hash of ``(seed, its path below the root)``
+    falls below ``val_rate``. Returns ``(train_paths, train_labels, val_paths, val_labels)``.
 
-
-def path_flag(text: str) -> str:
-    """``type=`` of a path flag: :func:`user_path`, refusing an empty value. ``--resume "$CKPT"``
-    with CKPT unset would otherwise mean "start over" and set an earlier run aside, and
-    ``--output-dir ""`` would write the run into the current folder."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
-    return user_path(text)
-
-
-# Where a --resume none run keeps the --weights file it started from when it saves its own file
-# under that name, with that file's class_indices.json and args.json (train_common).
-STARTED_FROM = "started_from"
-
-
-def same_bytes(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """Whether ``a`` and ``b`` are one file (a hard link) or hold the same bytes (a copy)."""
-    if os.path.samefile(a, b):
-        return True
-    return os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
-
-
-def find_run_file(weights: str | os.PathLike, name: str) -> Path | None:
-    """``name`` (``class_indices.json``, ``args.json``) of the run that wrote ``weights``: training
-    puts it in --output-dir beside checkpoint.pth, one folder above weights/model-N.pth.
-
-    Weights that a ``--resume none`` run in their folder started from and kept in
-    ``started_from/`` have their run's files there: the new run rewrote those beside them."""
-    given = Path(os.path.abspath(weights))  # "model-1.pth": its parent's parent is "." again
-    for path in dict.fromkeys((given, given.resolve())):  # beside the name, then a link's target
-        for folder in (path.parent, path.parent.parent):
-            kept = folder / STARTED_FROM / path.relative_to(folder)
-            if kept.is_file() and path.is_file() and same_bytes(kept, path):
-                path = kept
-                break
-        for folder in (path.parent, path.parent.parent):
-            if (folder / name).is_file():
-                return folder / name
-    return None
-
-
-def run_args_near(weights: str | os.PathLike) -> tuple[dict, Path | None]:
-    """The ``args.json`` of the run that wrote ``weights`` (see :func:`find_run_file`) and its
-    path, or ``({}, None)`` when there is none or it is not a JSON object (said in a warning)."""
-    path = find_run_file(weights, "args.json")
-    if path is None:
-        return {}, None
-    try:
-        run_args = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        log.warning("Ignoring %s, which cannot be read as JSON (%s).", path, exc)
-        return {}, None
-    if not isinstance(run_args, dict):
-        log.warning("Ignoring %s, which is not a JSON object.", path)
-        return {}, None
-    return run_args, path
-
-
-def _check_class_names(root: str, class_names: list[str]) -> None:
-    """Refuse class folders that are not classes: a data set already split into train/ and
-    val/ (it would train two classes, "train" and "val"), or two folders whose names look the
-    same: one name written in two Unicode forms (NFC/NFD), or names that differ only in spaces
-    at the ends, invisible characters (zero-width space, BOM) or compatibility forms
-    (full-width letters, ligatures). Each would be two classes nobody can tell apart."""
-    def has_sub_folders(name: str) -> bool:
-        try:
-            with os.scandir(os.path.join(root, name)) as entries:
-                return any(e.is_dir() for e in entries)
-        except OSError:  # reported by the walk
-            return False
-
-    lowered = {n.lower(): n for n in class_names}
-    train = lowered.get("train", lowered.get("training"))
-    # A train/ of class folders beside val/ or test/ (even an unlabelled test/ of loose images).
-    if set(lowered) <= SPLIT_NAMES and len(lowered) > 1 and train and has_sub_folders(train):
-        val = next((lowered[n] for n in ("val", "valid", "validation") if n in lowered), None)
-        use = (f"--data-path {os.path.join(root, train)} --val-path {os.path.join(root, val)}"
-               if val and has_sub_folders(val) else f"--data-path {os.path.join(root, train)} "
-               "(this template holds out --val-rate of it for validation)")
-        raise DataError(f"data path {root} holds {', '.join(class_names)}, which look like the "
-                        f"parts of a data set that is already split, not classes; pass {use}.")
-    seen: dict[str, str] = {}
-    looks: dict[str, str] = {}
-    for name in class_names:
-        other = seen.setdefault(unicodedata.normalize("NFC", name), name)
-        if other != name:
-            raise DataError(f"class folders {ascii(other)} and {ascii(name)} in {root} are one "
-                            "name written in two Unicode forms (NFC and NFD, e.g. after a copy "
-                            "from macOS), so they would be two classes that look the same; move "
-                            "the images of one into the other.")
-        # Format characters (category Cf) are dropped before NFKC so that a zero-width space
-        # between a letter and its accent does not keep them apart.
-        visible = "".join(c for c in name if unicodedata.category(c) != "Cf")
-        other = looks.setdefault(unicodedata.normalize("NFKC", visible).strip(), name)
-        if other != name:
-            raise DataError(f"class folders {ascii(other)} and {ascii(name)} in {root} look the "
-                            "same (they differ only in spaces at the ends, invisible characters "
-                            "or character forms such as full-width letters), so they would be "
-                            "two classes nobody can tell apart; move the images of one into the "
-                            "other, or rename one.")
-
-
-def split_key(path: str, root: str | None) -> str:
-    """What the split hashes for ``path``: its path below ``root`` with ``/`` separators, in NFC
-    (a moved data set, a Windows machine and a macOS copy give the same key); without ``root``
-    the path as given."""
-    if root is None:
-        return unicodedata.normalize("NFC", path)
-    prefix = os.path.join(root, "")
-    # The scan's paths start with root: slicing is 10x cheaper than relpath on ImageNet.
-    rel = path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, root)
-    return unicodedata.normalize("NFC", rel.replace(os.sep, "/"))
-
-
-def split_key_fraction(seed: int, key: str) -> float:
-    """Where a file falls in [0, 1) for the split: a hash of ``--seed`` and its
-    :func:`split_key`, the same on every machine, rank and Python run."""
-    digest = hashlib.sha256(f"{seed}\0{key}".encode("utf-8", "surrogateescape")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
-
-
-def split_train_val(images: Sequence[Sequence[str]], val_rate: float, seed: int = 0,
-                    class_names: Sequence[str] | None = None, *, root: str | None = None
-                    ) -> tuple[list[str], list[int], list[str], list[int], list[str]]:
-    """Stratified split in which each file's side depends only on ``seed`` and its own name.
-
-    A file goes to validation when the hash of ``(seed, its path relative to root)`` falls below
-    ``val_rate``, so each class gets about ``n * val_rate`` validation images. Unlike drawing
-    ``k`` images per class (the classic template), adding or removing images never moves another
-    file across: a run resumed on a grown data set validates on no image it trained on, and a
-    moved data root splits the same way (the scheme of TensorFlow's speech_commands
-    ``which_set``). Without ``root`` the paths as given are hashed. Returns train paths/labels,
-    val paths/labels and warnings (classes with no validation or no training image, one line
-    for each kind). ``val_rate=1`` puts every image in validation (evaluation of a test set).
+    Unlike drawing ``k`` images per class (the classic template), adding or removing files moves
+    no other file across, and a moved data root splits the same way (as TensorFlow's
+    speech_commands ``which_set``). With ``0 < val_rate < 1`` a class of two or more images
+    keeps one on each side: its lowest hash validates, its highest trains.
     """
     if not 0 <= val_rate <= 1:
-        raise DataError(f"--val-rate {val_rate} must be in [0, 1].")
+        raise DataError(f"--val-rate {val_rate} must be between 0 and 1.")
+    prefix = os.path.join(scan.root, "")
     train_p, train_y, val_p, val_y = [], [], [], []
-    no_val, no_train = [], []
-    for label, paths in enumerate(images):
-        in_val = [val_rate > 0 and split_key_fraction(seed, split_key(p, root)) < val_rate
-                  for p in paths]
-        name = str(class_names[label]) if class_names else str(label)
-        if paths and not any(in_val) and val_rate > 0:
-            no_val.append(f"{name} ({len(paths)})")
-        if paths and all(in_val) and val_rate < 1:  # 1: evaluation of every image
-            no_train.append(f"{name} ({len(paths)})")
+    for label, paths in enumerate(scan.images):
+        keys = [f"{seed}\0{p.removeprefix(prefix).replace(os.sep, '/')}" for p in paths]
+        hashes = [hashlib.sha256(k.encode("utf-8", "surrogateescape")).digest() for k in keys]
+        fractions = [int.from_bytes(h[:8], "big") / 2.0**64 for h in hashes]
+        in_val = [f < val_rate for f in fractions]
+        if len(paths) >= 2 and 0 < val_rate < 1:
+            in_val[fractions.index(min(fractions))] = True
+            in_val[fractions.index(max(fractions))] = False
         for path, val in zip(paths, in_val):
             (val_p if val else train_p).append(path)
             (val_y if val else train_y).append(label)
-    warnings = []
-    if no_val:
-        warnings.append(f"{len(no_val)} class(es) got no validation image, so their accuracy is "
-                        f"not measured (images per class in brackets): {short_list(no_val)}; add "
-                        "images or raise --val-rate")
-    if no_train:
-        warnings.append(f"{len(no_train)} class(es) got no training image, all theirs went to "
-                        f"validation: {short_list(no_train)}; add images or lower --val-rate")
-    return train_p, train_y, val_p, val_y, warnings
+    return train_p, train_y, val_p, val_y
 
 
-def label_by_class_name(classes: Sequence[str], val: FolderScan, train_root: str
-                        ) -> tuple[list[str], list[int], list[str]]:
-    """The images of a separate validation folder (an already split data set's ``val/``),
-    labelled by the index of their class folder's name in ``classes`` (the training classes).
-    Returns paths, labels and warnings (training classes it has no image of). A class the
-    training data lacks is a :class:`DataError`: the model has no output for it."""
-    unknown = [c for c in val.classes if c not in classes]
+def label_by_class_name(classes: Sequence[str], val_scan: FolderScan
+                        ) -> tuple[list[str], list[int]]:
+    """The images of a separate validation folder (``--val-path``), labelled by the index of
+    their class folder's name in ``classes`` (the training classes)."""
+    unknown = [c for c in val_scan.classes if c not in classes]
     if unknown:
-        raise DataError(f"validation folder {val.root} has class folder(s) that --data-path "
-                        f"{train_root} lacks: {short_list(unknown)}; the model has no output for "
-                        "them, so name each class folder as in the training data, or remove "
-                        "those.")
+        raise DataError(f"validation folder {val_scan.root} has class folder(s) the training "
+                        f"data lacks: {', '.join(unknown[:10])}; the model has no output for "
+                        "them, so name them as in the training data or remove them.")
     index = {name: i for i, name in enumerate(classes)}
-    paths, labels = [], []
-    for name, images in zip(val.classes, val.images):
-        paths += images
-        labels += [index[name]] * len(images)
-    absent = [c for c in classes if c not in val.classes]
-    return paths, labels, [
-        f"{len(absent)} class(es) have no image in the validation folder {val.root}, so their "
-        f"accuracy is not measured: {short_list(absent)}"] if absent else []
+    paths = [p for found in val_scan.images for p in found]
+    labels = [index[name] for name, found in zip(val_scan.classes, val_scan.images) for _ in found]
+    if absent := [c for c in classes if c not in val_scan.classes]:
+        log.warning("%d class(es) have no image in %s, so their accuracy is not measured: %s",
+                    len(absent), val_scan.root, ", ".join(absent[:10]))
+    return paths, labels
 
 
-def short_list(items: Sequence[str], n: int = 10) -> str:
-    """``a, b, c`` for a short list, the first ``n`` and a count (``... and 95 more``) for a
-    long one: a list a log line can hold."""
-    more = f" and {len(items) - n} more" if len(items) > n else ""
-    return ", ".join(items[:n]) + more
-
-
-def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
-    """Write JSON so a reader never sees half a file (``write_atomic``: temp file + rename)."""
-    text = json.dumps(obj, indent=4, ensure_ascii=False)
-    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False, *,
-                    seed: int = 0, output_dir: str | None = ".", verify: bool = True
+def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
-    """The classic template's entry point: scan ``root``, split, write ``class_indices.json``.
-
-    Returns ``(train_images_path, train_images_label, val_images_path, val_images_label)``.
-    ``class_indices.json`` (``{"0": "daisy", ...}``) and, with ``plot_image``, the per-class count
-    chart ``class_distribution.png`` go to ``output_dir`` (main process only).
-    """
-    scan = scan_image_folder(root, verify=verify)
-    # What was skipped is a warning (once, on the main process): logging's last-resort handler
-    # shows it even to a script that never configured logging (the classic template's scripts),
-    # where info is silent. Hidden files alone (.DS_Store in every folder) are no news.
-    news = scan.dropped_classes or any(why != "hidden file" for _, why in scan.skipped)
-    log.log(logging.WARNING if news and is_main_process() else logging.INFO, scan.summary())
-    train_p, train_y, val_p, val_y, warnings = split_train_val(scan.images, val_rate, seed,
-                                                               scan.classes, root=scan.root)
-    for warning in warnings:
-        log.warning(warning)
-    if output_dir is not None and is_main_process():
-        write_json_atomic(Path(output_dir) / "class_indices.json",
-                          {str(i): c for i, c in enumerate(scan.classes)})
-        if plot_image:
-            plot_class_distribution(scan, Path(output_dir) / "class_distribution.png")
+    """The classic tutorial's entry point: scan ``root``, split it (seed 0), write
+    ``class_indices.json`` (``{"0": "daisy", ...}``) and, with ``plot_image``,
+    ``class_distribution.png`` into the current folder. Returns ``(train_images_path,
+    train_images_label, val_images_path, val_images_label)``."""
+    scan = scan_image_folder(root)
+    # A warning when files were skipped: shown even by a script that set up no logging.
+    log.log(logging.WARNING if scan.skipped else logging.INFO, scan.summary())
+    train_p, train_y, val_p, val_y = split_train_val(scan, val_rate, seed=0)
+    write_json_atomic("class_indices.json", dict(enumerate(scan.classes)))
+    if plot_image:
+        plot_class_distribution(scan, "class_distribution.png")
     log.info("%d images for training, %d for validation", len(train_p), len(val_p))
     return train_p, train_y, val_p, val_y
 
 
-@contextlib.contextmanager
-def missing_glyphs_ignored() -> Iterator[None]:
-    """Class names may be CJK or emoji; matplotlib's default font lacks them and warns once per
-    character per figure, burying real warnings. Only that message is silenced, only inside."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font",
-                                category=UserWarning)
-        yield
+def get_transforms(img_size: int) -> dict[str, v2.Compose]:
+    """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``.
+    Normalisation happens on the device, so the workers send a quarter of the bytes; validation
+    resizes the short side to ``img_size * 256 / 224`` and centre-crops, as torchvision does."""
+    return {"train": v2.Compose([v2.RandomResizedCrop(img_size), v2.RandomHorizontalFlip()]),
+            "val": v2.Compose([v2.Resize(int(img_size * 256 / 224)), v2.CenterCrop(img_size)])}
+
+
+# ---------------------------------------------------------------- plots
+CONFUSION_NAMES, CONFUSION_COUNTS = 60, 22  # class names on the axes, counts in the cells
+
+
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` (an optional extra, imported for a plot); files only, headless."""
+    import matplotlib
+    if not os.environ.get("DISPLAY"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def tick_label(name: str, width: int = 24) -> str:
-    """A class name short enough for a plot's axis: a 200-character name took the whole figure
-    (tight_layout gave up with a warning, and the plot was clipped)."""
-    # Both ends: names that differ only in their ends (…_male, …_female) stay apart.
+    """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
+    name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
     if len(name) <= width:
         return name
     head = (width - 1) // 2
     return name[:head] + "\u2026" + name[len(name) - (width - 1 - head):]
 
 
-def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
-    """Bar chart of images per class, saved as PNG (headless)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def write_scan_files(out: Path, scan: FolderScan) -> None:
+    """What a scan found, kept with the run: class_indices.json ({"0": "daisy", ...}, as the
+    classic template), skipped_files.txt (every file left out, and why) and a class histogram."""
+    write_json_atomic(out / "class_indices.json", dict(enumerate(scan.classes)))
+    (out / "skipped_files.txt").unlink(missing_ok=True)  # an earlier scan's list would mislead
+    if scan.skipped:  # nothing is dropped silently
+        (out / "skipped_files.txt").write_text(
+            "".join(f"{path}\t{why}\n" for path, why in scan.skipped), encoding="utf-8")
+        log.warning("%s; the list is in %s", scan.summary(), out / "skipped_files.txt")
+    plot_class_distribution(scan, out / "class_distribution.png")
 
+
+def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
+    """Bar chart of images per class, saved as PNG; names and counts while they fit."""
+    plt = _pyplot()
     counts = [len(x) for x in scan.images]
     # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
     fig, ax = plt.subplots(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
-    bars = ax.bar(range(len(counts)), counts, align="center")
-    if len(counts) <= 60:  # names and counts while they fit
+    bars = ax.bar(range(len(counts)), counts)
+    if len(counts) <= CONFUSION_NAMES:
         ax.bar_label(bars)
-        ax.margins(y=0.12)  # room for the tallest bar's count below the title
-        # About 7 characters fit under a bar at 0.6 inch: longer names are slanted, not overlapped.
-        names = [tick_label(c) for c in scan.classes]
-        slant = len(counts) > 6 or max(map(len, names)) > 7
-        ax.set_xticks(range(len(counts)), names, rotation=45 if slant else 0,
-                      ha="right" if slant else "center")
-    ax.set_xlabel("image class")
-    ax.set_ylabel("number of images")
-    ax.set_title("class distribution")
-    with missing_glyphs_ignored():
+        ax.set_xticks(range(len(counts)), map(tick_label, scan.classes), rotation=45, ha="right")
+    ax.set(xlabel="image class", ylabel="number of images", title="class distribution")
+    with warnings.catch_warnings():
+        # CJK or emoji class names: the default font lacks them and warns once per glyph.
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
         fig.tight_layout()
         fig.savefig(path)
     plt.close(fig)
     return Path(path)
 
 
-def _centre_of_strip(img: torch.Tensor, max_ratio: float = 8.0) -> torch.Tensor:
-    """Crop the long side of ``(..., H, W)`` to ``max_ratio`` x the short side, centred.
-
-    Without it a 2 x 20000 strip, resized to a 256 px short side, is 2.5 gigapixels. The val
-    centre crop keeps only the middle anyway, but the resize's scale along the long side shifts
-    a little, so pixels differ by a few levels: hence only past 8:1, which photos (panoramas
-    included) do not reach; their val crop is exactly ImageNet's Resize + CenterCrop.
-    """
-    h, w = img.shape[-2:]
-    side = math.ceil(max_ratio * min(h, w))
-    if max(h, w) <= side:
-        return img
-    return v2.functional.center_crop(img, [min(h, side), min(w, side)])
-
-
-def get_transforms(img_size: int) -> dict[str, v2.Compose]:
-    """The template's augmentations on ``uint8 (3, H, W)`` tensors (normalised later, on device).
-
-    Val resizes the short side to ``img_size * 256 / 224`` then centre-crops, as for ImageNet
-    (after cutting a strip longer than 8:1 down to its middle, to bound memory).
-    """
-    return {
-        "train": v2.Compose([v2.RandomResizedCrop(img_size, antialias=True),
-                             v2.RandomHorizontalFlip()]),
-        "val": v2.Compose([v2.Lambda(_centre_of_strip),
-                           v2.Resize(int(img_size * 256 / 224), antialias=True),
-                           v2.CenterCrop(img_size)]),
-    }
-
-
-_FILE_BACKENDS = frozenset({"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"})
+def confusion_figure(confusion: torch.Tensor, classes: Sequence[str]) -> Any:
+    """``confusion`` ``(C, C)`` counts (rows: true class) as a matplotlib figure, e.g. for
+    TensorBoard's ``add_figure``; names on the axes up to 60 classes, counts up to 22."""
+    plt = _pyplot()
+    n, names = len(classes), [tick_label(c) for c in classes]
+    # Half an inch per class plus room for the names, at most 12 inches: 1000 classes would
+    # otherwise make a 50,000 px figure that takes tens of GB to draw.
+    side = min(1 + 0.5 * n + 0.1 * max(map(len, names)) * (n <= CONFUSION_NAMES), 12)
+    fig, ax = plt.subplots(figsize=(side, side))
+    ax.imshow(confusion.cpu().numpy(), cmap="Blues", interpolation="nearest")
+    if n <= CONFUSION_NAMES:
+        ax.set_xticks(range(n), names, rotation=90)
+        ax.set_yticks(range(n), names)
+    for i, row in enumerate(confusion.tolist() if n <= CONFUSION_COUNTS else []):
+        for j, count in enumerate(row):
+            ax.text(j, i, str(count), ha="center", va="center", fontsize=7)
+    ax.set(xlabel="predicted", ylabel="true")
+    fig.tight_layout()
+    return fig
 
 
 def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
-                           class_indices: str | os.PathLike = "class_indices.json",
-                           save_path: str | os.PathLike | None = None, max_images: int = 8
-                           ) -> Path | None:
-    """Show (or, headless or with ``save_path``, save) one batch with its class names.
-
-    Handles ``uint8`` batches and ImageNet-normalised float batches (de-normalised for display).
-    Returns the saved path, or None when shown on screen.
-    """
-    import matplotlib
-    headless = save_path is not None or not os.environ.get("DISPLAY")
-    if headless:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    # A backend that only writes files (MPLBACKEND=Agg on a desktop) cannot show: save.
-    headless = headless or matplotlib.get_backend().lower() in _FILE_BACKENDS
-
-    names = {}
-    if os.path.exists(class_indices):
-        with open(class_indices, encoding="utf-8") as f:
-            names = json.load(f)
+                           save_path: str | os.PathLike | None = None) -> Path | None:
+    """Show up to 8 images of the first batch with their class names (``class_indices.json``
+    in the current folder), as the tutorial did; saved to ``save_path`` (default
+    ``data_loader_batch.png``) where there is no screen. Takes ``uint8 (N, 3, H, W)`` or
+    ImageNet-normalised float batches. Returns the saved path, or None when shown."""
+    plt = _pyplot()
+    indices = Path("class_indices.json")
+    names = json.loads(indices.read_text("utf-8")) if indices.is_file() else {}
     images, labels = next(iter(data_loader))
-    count = min(max_images, images.shape[0])
-    cols = min(4, count)
-    fig, axes = plt.subplots(math.ceil(count / cols), cols, figsize=(3 * cols, 3 * math.ceil(count / cols)),
-                             squeeze=False)
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    for ax in axes.flat:
-        ax.axis("off")
-    for i in range(count):
-        img = images[i].float() / 255 if images.dtype == torch.uint8 else images[i].float() * std + mean
-        ax = axes.flat[i]
+    count = min(8, len(images))
+    fig, axes = plt.subplots(1, count, figsize=(2 * count, 2.4), squeeze=False)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    for ax, img, label in zip(axes.flat, images, labels.tolist()):
+        img = img / 255 if img.dtype == torch.uint8 else img * std + mean
         ax.imshow(img.clamp(0, 1).permute(1, 2, 0).numpy())
-        label = int(labels[i])
-        ax.set_title(names.get(str(label), str(label)) if label >= 0 else "unreadable")
+        ax.set_title(names.get(str(label), "unreadable" if label < 0 else str(label)))
+        ax.axis("off")
     fig.tight_layout()
-    if headless:
-        path = Path(save_path or "data_loader_batch.png")
-        fig.savefig(path)
-        plt.close(fig)
-        return path
-    plt.show()
-    return None
+    if save_path is None and os.environ.get("DISPLAY"):
+        plt.show()
+        return None
+    path = Path(save_path or "data_loader_batch.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
+    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename)."""
+    path = Path(path)
+    data = (json.dumps(obj, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def path_flag(text: str) -> str:
+    """argparse ``type=`` of a path flag: ``~`` expanded (the shell leaves ``--x=~/a`` and
+    quoted paths alone), an empty value refused (``--resume "$CKPT"`` with CKPT unset)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
+    return os.path.expanduser(text)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except ``None`` ones: their help says what happens instead."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help or "" if action.default is None else super()._get_help_string(action)
+
+
+class BoolFlag(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x``, and ``--x False`` as the classic template's users typed it."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.nargs, self.metavar = "?", "BOOL"
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string.startswith("--no-") or values is None:
+            return super().__call__(parser, namespace, values, option_string)
+        if str(values).lower() not in ("true", "false", "1", "0", "yes", "no"):
+            parser.error(f"{option_string} takes no value or one of true/false, not {values!r}")
+        setattr(namespace, self.dest, str(values).lower() in ("true", "1", "yes"))
+
+
+def number(kind: type, low: float, high: float = math.inf, *, above: bool = False):
+    """An argparse ``type`` for ``low <= x <= high`` (``above``: ``low < x``); a usage error
+    names the range."""
+    def parse(text: str) -> float:
+        value = kind(text)
+        inside = (value > low if above else value >= low) and value <= high
+        if not (math.isfinite(value) and inside):
+            bounds = f"{'above' if above else 'at least'} {low}" + (
+                f" and at most {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    return parse
 
 
 # ---------------------------------------------------------------- demo data
 DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")  # as flower_photos
 
 
-def _draw_demo_image(cls: str, rng: random.Random, size: int):
-    """One procedurally drawn "flower" of class ``cls`` on a random leafy or sky background.
-
-    Classes differ by petal colour, petal count/shape and centre (daisy: white petals, yellow
-    centre; dandelion: many thin yellow petals; sunflowers: yellow petals, large dark centre;
-    roses: red layered disc; tulips: pink-purple cup), with jittered hue, size, position and
-    clutter, so the model must find the flower: learnable in a few CPU epochs, not trivial.
-    """
+def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
+    """A drawn "flower" of class ``cls`` (petal colour, count, shape and centre differ) with
+    jittered hue, size, position and clutter: learnable in a few CPU epochs, not trivially."""
     def jitter(rgb: tuple[int, int, int], amount: int = 25) -> tuple[int, ...]:
         return tuple(min(255, max(0, c + rng.randint(-amount, amount))) for c in rgb)
 
     sky = rng.random() < 0.4
-    bg = jitter((110, 160, 220) if sky else (50, 110, 45), 40)
-    img = Image.new("RGB", (size, size), bg)
+    img = Image.new("RGB", (size, size), jitter((110, 160, 220) if sky else (50, 110, 45), 40))
     draw = ImageDraw.Draw(img)
     for _ in range(rng.randrange(4, 10)):  # leaves and blades of grass
         x, y = rng.uniform(0, size), rng.uniform(0, size)
@@ -795,33 +438,31 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int):
             for k in range(petals):
                 angle = spin + 2 * math.pi * k / petals
                 px, py = cx + 0.55 * r * math.cos(angle), cy + 0.55 * r * math.sin(angle)
-                draw.polygon(ellipse_points(px, py, 0.48 * r, width, angle), fill=jitter(colour, 20))
+                petal = ellipse_points(px, py, 0.48 * r, width, angle)
+                draw.polygon(petal, fill=jitter(colour, 20))
             centre = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
                       "dandelion": ((230, 170, 20), 0.3)}[cls]
-            c_r = centre[1] * r
-            draw.ellipse([cx - c_r, cy - c_r, cx + c_r, cy + c_r], fill=jitter(centre[0], 20))
+            draw.ellipse([cx - centre[1] * r, cy - centre[1] * r, cx + centre[1] * r,
+                          cy + centre[1] * r], fill=jitter(centre[0], 20))
         elif cls == "roses":
             base = jitter((200, 25, 45), 30)
-            for layer in range(4):
+            for layer in range(4):  # darker layers inwards
                 lr_ = r * (1 - 0.22 * layer)
-                shade = tuple(max(0, c - 25 * layer) for c in base)
-                draw.polygon(ellipse_points(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7), fill=shade)
+                draw.polygon(ellipse_points(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7),
+                             fill=tuple(max(0, c - 25 * layer) for c in base))
         else:  # tulips: a cup of three petals
             colour = jitter(rng.choice(((230, 90, 170), (200, 80, 220), (240, 120, 150))), 20)
             for offset in (-0.45, 0.0, 0.45):
-                draw.polygon(ellipse_points(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0), fill=colour)
+                petal = ellipse_points(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0)
+                draw.polygon(petal, fill=colour)
             draw.rectangle([cx - 0.75 * r, cy + 0.15 * r, cx + 0.75 * r, cy + 0.6 * r], fill=colour)
     return img.filter(ImageFilter.GaussianBlur(rng.uniform(0, 0.7)))
 
 
-def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64,
-                   seed: int = 0) -> Path:
-    """Write the demo dataset (``root/<class>/NNNN.jpg``, 5 flower classes) if absent; return
-    ``root``.
-
-    Deterministic for (per_class, size, seed). Safe when several processes call it at once: each
-    writes a private temp folder and renames it into place; the first rename wins.
-    """
+def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64) -> Path:
+    """Write the demo dataset ``root/<class>/NNNN.jpg`` (5 flower classes, the same every time)
+    unless it is there, and return ``root``. Processes may call it at once: each draws into a
+    temporary folder and renames it into place; the first rename wins."""
     root = Path(root)
     if root.is_dir():
         return root
@@ -830,12 +471,12 @@ def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64
     try:
         for cls in DEMO_CLASSES:
             (tmp / cls).mkdir()
-            rng = random.Random(f"{seed}-{cls}")
+            rng = random.Random(f"0-{cls}")
             for i in range(per_class):
                 _draw_demo_image(cls, rng, size).save(tmp / cls / f"{i:04d}.jpg", quality=90)
         os.rename(tmp, root)
     except OSError:
-        if not root.is_dir():
+        if not root.is_dir():  # not another process's rename that won: a real error
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -843,22 +484,17 @@ def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64
 
 
 def user_cache_dir(instead: str) -> Path:
-    """``$XDG_CACHE_HOME`` or ``~/.cache``. Where this user has no home folder (HOME unset and a
-    user id the user database does not know: some containers), a DataError that ends with
-    ``instead``, the flag that names another folder."""
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"])
+    """``$XDG_CACHE_HOME`` or ``~/.cache``; where the user has no home folder (some containers)
+    a :class:`DataError` that ends with ``instead``, the flag naming another folder."""
     try:
-        return Path.home() / ".cache"
-    except (RuntimeError, KeyError):  # KeyError: Python before 3.12 on some platforms
-        raise DataError("this user has no home folder to keep a cache in (HOME is not set, and "
-                        f"the user database has no entry for this user); {instead}.") from None
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (RuntimeError, KeyError):  # KeyError: Python < 3.12 without a user database entry
+        raise DataError(f"this user has no home folder to keep a cache in; {instead}.") from None
 
 
 def default_demo_root() -> Path:
     """Where the demo data is cached: ``$DDP_DEMO_DATA`` or the user's cache folder."""
     if os.environ.get("DDP_DEMO_DATA"):
         return Path(os.environ["DDP_DEMO_DATA"])
-    cache = user_cache_dir("pass --demo-dir (or set DDP_DEMO_DATA to) a folder you can write, or "
-                           "--data-path your own images")
-    return cache / "ddp-template" / "demo_flowers_v1"
+    return user_cache_dir("pass --demo-dir a folder you can write, or --data-path your own "
+                          "images") / "ddp-template" / "demo_flowers_v1"

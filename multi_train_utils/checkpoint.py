@@ -1,265 +1,317 @@
-"""Checkpoints that survive crashes: atomic writes, safe loads, RNG state, pruning."""
+"""Checkpoints that survive crashes: the run folder, atomic saves, safe loads, resume.
+
+A run folder holds ``checkpoint.pth`` (everything to continue: model, optimizer, epoch, RNG,
+the run's flags and classes), ``model_best.pth`` (the same, of the best epoch),
+``weights/model-N.pth`` (bare state dicts, loadable by torchvision) and ``metrics.jsonl``.
+``checkpoint.pth`` is written last in each epoch, so it always marks an epoch that is complete.
+"""
 
 from __future__ import annotations
 
-import errno
+import json
+import logging
+import math
 import os
 import random
 import re
-import uuid
-import zipfile
-from collections.abc import Callable
+import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from .distributed_utils import all_gather_object, all_ranks_ok
+from .guard import UserError
 
-class CheckpointError(ValueError):
+log = logging.getLogger("train")
+RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "tensorboard",
+             "args.json", "class_indices.json", "skipped_files.txt", "class_distribution.png")
+# Flags a resume must keep: another value would put some validation images into training, or
+# change which parameters the optimizer state belongs to.
+MUST_MATCH = ("model", "seed", "val_rate", "freeze_layers")
+
+
+class CheckpointError(UserError):
     """A file given as a checkpoint or weights cannot be used (one sentence, with the path)."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model under DDP and/or ``torch.compile`` wrappers (what we save and load)."""
+    """The bare model under DDP and/or ``torch.compile`` (what is saved: no ``module.`` keys)."""
     model = getattr(model, "_orig_mod", model)
-    # By type: a user's own model may well have a submodule called "module".
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     return getattr(model, "_orig_mod", model)
 
 
 def to_cpu(state: Any) -> Any:
-    """``state`` (a state dict, possibly nested) with every tensor on the CPU, detached.
-
-    Saved from a GPU, tensors remember their device: ``torch.load`` without ``map_location``
-    then fails on a machine without CUDA and puts everything on GPU 0 on one with several.
-    """
+    """``state`` with every tensor detached on the CPU: a file saved from GPU 3 loads anywhere."""
     if torch.is_tensor(state):
         return state.detach().cpu()
-    if isinstance(state, dict):  # an OrderedDict stays one, with the module versions
-        copy = type(state)((key, to_cpu(value)) for key, value in state.items())
-        if hasattr(state, "_metadata"):  # that _load_from_state_dict reads
-            copy._metadata = state._metadata
-        return copy
+    if isinstance(state, dict):
+        return type(state)((key, to_cpu(value)) for key, value in state.items())
     if isinstance(state, (list, tuple)):
         return type(state)(to_cpu(value) for value in state)
     return state
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """``write(f)`` into a temp file in ``path``'s folder, fsync, then rename over ``path``.
-
-    A crash (or kill -9) at any point leaves either the old file or the new one, never half; a
-    failure removes the temp file. The file gets what ``open()`` would give it (0o666 less the
-    umask, not mkstemp's 0o600), so teammates can read a run on shared storage.
-    """
+def save_atomic(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` into a temp file beside ``path``, fsync, then rename: a crash at any point
+    leaves the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # O_EXCL on a random name is as safe as mkstemp and honours the umask without reading it
-    # (os.umask() can only be read by setting it, which races other threads).
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, RuntimeError) and isinstance(exc.__context__,
-                                                        (OSError, KeyboardInterrupt)):
-            # torch.save's zip writer hides a full disk (or a Ctrl-C that interrupted it) behind
-            # "unexpected pos N vs M".
-            raise exc.__context__ from None
+        if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
+            raise exc.__context__ from None  # torch's zip writer hides a full disk behind this
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:  # make the rename itself durable
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def save_atomic(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (see :func:`write_atomic`)."""
-    write_atomic(path, lambda f: torch.save(obj, f))
-
-
-def not_a_file(path: str | os.PathLike, name: str = "checkpoint/weights file") -> str | None:
-    """One sentence if ``path`` is not a file (``name`` says which argument it is), else None.
-
-    A folder is a common slip (a run's folder for its checkpoint): the sentence names a file in it.
-    """
-    if os.path.isfile(path):
-        return None
-    if not os.path.isdir(path):
-        return f"{name} {path} does not exist."
-    found = [Path(path) / f for f in ("checkpoint.pth", "model_best.pth")]
-    found = [f for f in found if f.is_file()] or sorted(
-        Path(path).glob("*.pth"), key=lambda f: f.stat().st_mtime, reverse=True)
-    return f"{name} {path} is a folder; give a file" + (f", e.g. {found[0]}." if found else ".")
 
 
 def load_file(path: str | os.PathLike) -> Any:
-    """``torch.load`` on CPU with ``weights_only=True``; a clear error for anything unusable,
-    including a file whose bytes were damaged after it was written (CRC check)."""
-    problem = not_a_file(path)
-    if problem:
-        raise CheckpointError(problem)
-    is_zip = zipfile.is_zipfile(path)
-    if is_zip:
-        damage = _zip_damage(path)
-        if damage:
-            raise CheckpointError(f"{path} is corrupt ({damage}); its bytes changed after it "
-                                  "was saved (disk, copy or transfer error).")
-    not_zip = (f"{path} is not a readable PyTorch checkpoint (not a complete zip archive: "
-               "truncated, corrupt or another format).")
+    """``torch.load`` on the CPU with ``weights_only=True``; one sentence for an unusable file."""
+    if not os.path.isfile(path):
+        what = "is a folder; give a file in it" if os.path.isdir(path) else "does not exist"
+        raise CheckpointError(f"{path} {what}.")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as exc:  # there, but unreadable: permissions, a failing disk or network mount
-        if is_zip or exc.errno != errno.EINVAL:
-            raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}).") from None
-        # Cut short near its end: torch reads what is left as an old-format pickle and seeks
-        # past the end of the file (EINVAL).
-        raise CheckpointError(not_zip) from None
-    except Exception as exc:  # pickle errors, truncated zip, unsafe globals, ...
-        if not is_zip:  # torch's own message would suggest weights_only=False: never for this
-            raise CheckpointError(not_zip) from None
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # torch's message has colours
-        if "Weights only load failed" in text:
-            raise CheckpointError(f"{path} holds Python objects, not only tensors (e.g. a whole "
-                                  "model saved with torch.save(model)), which are not loaded, for "
-                                  "safety; if you trust it, load it yourself and save "
-                                  "model.state_dict() instead.") from None
-        detail = text.splitlines()[0][:160] if text else ""
+    except Exception as exc:  # truncated, damaged, pickled objects, another format
+        detail = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().split("\n")[0][:160]
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint "
-                              f"({type(exc).__name__}{': ' + detail if detail else ''}).") from None
+                              f"({type(exc).__name__}: {detail}).") from None
 
 
-def _zip_damage(path: str | os.PathLike) -> str | None:
-    """Which member of the zip archive ``torch.save`` wrote fails its CRC, or None.
-
-    ``torch.load`` does not check the CRCs, so flipped bytes would load as silently wrong
-    weights. Reading the file once more costs well under a second for a ResNet checkpoint.
-    """
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        return f"damaged zip archive: {exc}"
-    return f"{bad} fails its CRC check" if bad else None
-
-
-# What a wrapper keeps beside the model's own tensors: AveragedModel's (EMA) update count.
-WRAPPER_KEYS = frozenset({"n_averaged"})
-
-
-def extract_state_dict(obj: Any, path: str | os.PathLike, *, strip: bool = True
-                       ) -> dict[str, torch.Tensor]:
-    """The model state dict inside ``obj`` (a bare state dict or a checkpoint with ``model``),
-    without the ``module.`` / ``_orig_mod.`` prefixes of wrappers (``strip``)."""
-    # "model" (ours, torchvision's references), "state_dict" (Lightning), "model_state_dict"
-    # (the PyTorch tutorial's general checkpoint)
+def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model state dict in ``obj`` (ours, torchvision's or Lightning's checkpoint, or a bare
+    state dict), without the ``module.`` / ``_orig_mod.`` prefixes of wrappers."""
     for key in ("model", "state_dict", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
-        raise CheckpointError(f"{path} holds no model state dict (expected a dict of tensors or a "
-                              "checkpoint with a 'model', 'state_dict' or 'model_state_dict' "
-                              "entry).")
-    # A wrapper (DDP's "module.", torch.compile's "_orig_mod.") prefixes every key; a model's
-    # own submodule called "module" prefixes only its own, and keeps its name.
+        raise CheckpointError(f"{path} holds no model state dict (a dict of tensors, or a "
+                              "checkpoint with a 'model' entry).")
     prefix = re.compile(r"(module\.|_orig_mod\.)")
-    while strip and all(prefix.match(k) for k in obj.keys() - WRAPPER_KEYS):
+    while all(prefix.match(k) for k in obj):  # only when a wrapper prefixed every key
         obj = {prefix.sub("", k, count=1): v for k, v in obj.items()}
     return dict(obj)
 
 
-def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, source: Any = None,
-                          leave_out: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
-    """Load the tensors of ``path`` whose names and shapes fit ``model`` (e.g. all but a new
-    classifier head), except names starting with ``leave_out``; ``source``: the file's content
-    when already loaded. Returns (skipped keys of the file, model keys left as initialised)."""
-    source = load_file(path) if source is None else source
-    model = unwrap(model)  # the file's names are the bare model's
-    own = model.state_dict()
-
-    def fitting_part(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in state.items()
-                if k in own and own[k].shape == v.shape and not k.startswith(leave_out)}
-
-    state = extract_state_dict(source, path)
-    fitting = fitting_part(state)
-    if not fitting:  # a model whose only child is called "module" names its own tensors so
-        state = extract_state_dict(source, path, strip=False)
-        fitting = fitting_part(state)
-    if not fitting:
-        raise CheckpointError(f"no tensor in {path} matches the model by name and shape; is it "
-                              "weights for another architecture?")
-    model.load_state_dict(fitting, strict=False)
-    skipped = sorted(set(state) - set(fitting))
-    missing = sorted(set(own) - set(fitting))
-    return skipped, missing
+def load_matching_weights(model: nn.Module, path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """Load the tensors of ``path`` whose names and shapes fit ``model`` (e.g. all but a
+    1000-class head). Returns (the file's keys left out, the model's keys left as initialised).
+    Weights of another architecture (backbone shapes differ) are refused, not mixed in."""
+    state, own = extract_state_dict(load_file(path), path), unwrap(model).state_dict()
+    other = [k for k in state if k in own and own[k].shape != state[k].shape
+             and not k.startswith("fc.")]
+    if other or not any(k in own for k in state):
+        example = f" (e.g. {other[0]}: {list(state[other[0]].shape)})" if other else ""
+        raise CheckpointError(f"{path} does not fit this model{example}; were the weights made "
+                              "for another --model?")
+    fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    unwrap(model).load_state_dict(fitting, strict=False)
+    return sorted(state.keys() - fitting.keys()), sorted(own.keys() - fitting.keys())
 
 
-def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """This process's RNG states as plain Python values (bytes, lists), which both
-    ``all_gather_object`` and ``weights_only`` loading accept.
+def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
+    """``--weights``: start from every tensor that fits, and say what did not. ``strict``
+    (evaluation): every tensor of the model must come from the file."""
+    skipped, missing = load_matching_weights(model, path)
+    if strict and missing:
+        raise CheckpointError(f"{path} does not fit this model and data ({len(missing)} "
+                              f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
+                              "accuracy would be meaningless; pass its --model and data.")
+    log.info("loaded %s: %d of the model's %d tensors%s", path,
+             len(unwrap(model).state_dict()) - len(missing), len(unwrap(model).state_dict()),
+             "; the classifier (fc) starts new" if any(k.startswith("fc.") for k in missing)
+             else "")
+    if [k for k in missing if not k.startswith("fc.")] or [k for k in skipped
+                                                           if not k.startswith("fc.")]:
+        log.warning("%s and the model differ beyond the classifier (%d tensor(s) of the model "
+                    "not loaded, %d of the file unused)", path, len(missing), len(skipped))
 
-    ``device``: the run's device; a CUDA one adds its generator. (None: CUDA's if this process
-    already uses CUDA. A CPU run on a GPU machine must not create a CUDA context on GPU 0.)
+
+def claim_output_dir(out: Path) -> None:
+    """Rank 0: make ``out`` and lock it for this run (``<out>/.lock``), so a second run there,
+    e.g. a rerun while orphans of a killed job still train, cannot interleave checkpoints.
+
+    The kernel drops the lock when the process dies, however it dies; the file stays open until
+    then on purpose. ``lockf``, not ``flock``: forked DataLoader workers do not inherit it.
     """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write to --output-dir {out} ({exc.strerror}); choose a "
+                              "folder you can write to.") from None
+    try:
+        import fcntl  # POSIX; elsewhere (Windows) the run goes unlocked
+
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:
+        return
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise CheckpointError(f"another training run (pid {holder}) is using --output-dir {out}; "
+                              "wait for it or stop it, or use another --output-dir.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def resume_path(resume: str, out: Path) -> str | None:
+    """The checkpoint a run continues from: ``auto`` is ``<out>/checkpoint.pth`` if it exists."""
+    if resume == "none":
+        # A restart by torchrun (--max-restarts) continues what this launch began.
+        resume = "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 else "none"
+    if resume == "auto":
+        return str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
+    return None if resume == "none" else resume
+
+
+def rerun_hint(output_dir: str | os.PathLike, resume: str) -> str:
+    """How to continue after a stop, for the last line a stopped run says."""
+    out = Path(output_dir)
+    if not (out / "checkpoint.pth").is_file():
+        return "run the same command again to start"
+    if resume == "auto":
+        return f"run the same command again: it continues from the last complete checkpoint in {out}"
+    return f"run it again with --resume auto to continue from the last complete checkpoint in {out}"
+
+
+def move_earlier_run(out: Path) -> None:
+    """Rank 0, starting afresh: an earlier run's files in ``out`` go to
+    ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run."""
+    found = [out / name for name in RUN_FILES if (out / name).exists()]
+    if not any(p.name in ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl")
+               for p in found):
+        return
+    aside = out / "previous-runs" / time.strftime("%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in found:
+        path.rename(aside / path.name)
+    log.info("starting afresh: the earlier run's files in %s were moved to %s", out, aside)
+
+
+def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:
+    """Every rank reads ``path`` itself (a machine may lack it) and checks that this run can go
+    on from it; all ranks raise the same error, so none waits alone in a collective."""
+    problem, ckpt = None, None
+    try:
+        ckpt = load_file(path)
+        if not isinstance(ckpt, dict) or not {"model", "optimizer", "epoch"} <= ckpt.keys():
+            raise CheckpointError(f"{path} is not a training checkpoint (model, optimizer, "
+                                  "epoch); to start from its weights use --weights instead.")
+        saved = ckpt.get("args", {})
+        keys = ("model",) if args.eval_only else MUST_MATCH  # evaluation trains nothing
+        differ = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
+                  for k in keys if k in saved and saved[k] != getattr(args, k)]
+        if not args.eval_only and bool(saved.get("val_path")) != bool(args.val_path):
+            differ.append("--val-path given to only one of the two runs")
+        if ckpt.get("classes", classes) != classes:
+            differ.append(f"the classes {ckpt['classes']} (not {classes})")
+        if differ:
+            raise CheckpointError(f"{path} was trained with {'; '.join(differ)}, so this run "
+                                  "cannot continue it; use the same, or another --output-dir "
+                                  "(or --resume none).")
+    except UserError as exc:
+        problem = exc
+    if not all_ranks_ok(problem is None):
+        raise problem or CheckpointError(f"another process of the run could not use {path}; "
+                                         "every machine needs a readable copy.")
+    return ckpt
+
+
+def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
+            images_per_step: int, rank: int) -> tuple[int, float, float, list[dict]]:
+    """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
+    schedule at the next epoch. Returns (start epoch, best acc, best val loss, metrics so far).
+
+    The schedule is laid out anew, so a resume with more ``--epochs`` follows the longer
+    cosine. If the images per optimizer step changed (processes x batch x accumulation), the
+    lr is scaled by the same factor (linear scaling, Goyal et al. 2017, arXiv:1706.02677).
+    """
+    unwrap(model).load_state_dict(ckpt["model"])
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except ValueError as exc:  # other trainable parameters (--freeze-layers)
+        raise CheckpointError(f"the optimizer state of the checkpoint does not fit this run "
+                              f"({exc}); use the flags it was trained with.") from None
+    if "scaler" in ckpt and scaler.is_enabled():
+        scaler.load_state_dict(ckpt["scaler"])
+    rng = ckpt.get("rng_states") or []
+    if rank < len(rng):
+        restore_rng_state(rng[rank])
+    start = ckpt["epoch"] + 1
+    saved = ckpt.get("args", {})
+    factor = images_per_step / saved.get("images_per_step", images_per_step)
+    if factor != 1 and saved.get("scale_lr", True):
+        if rank == 0:
+            log.warning("the checkpoint was trained with %s images per optimizer step, this "
+                        "run has %d: the learning rate is scaled by %.4g",
+                        saved["images_per_step"], images_per_step, factor)
+        for group in optimizer.param_groups:
+            group["initial_lr"] *= factor
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    scheduler.last_epoch = start
+    for group, base, lr_lambda in zip(optimizer.param_groups, scheduler.base_lrs,
+                                      scheduler.lr_lambdas):
+        group["lr"] = base * lr_lambda(start)
+    history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start]
+    return start, ckpt.get("best_acc", 0.0), ckpt.get("best_loss", math.inf), history
+
+
+def save_epoch(out: Path, state: dict[str, Any] | None, record: dict[str, Any], is_best: bool,
+               keep_last: int = 0) -> None:
+    """Every rank calls it (the RNG states are gathered); rank 0 passes ``state`` and writes the
+    epoch's weights, best model, checkpoint (last: it marks the epoch done) and metrics line."""
+    rng_states = all_gather_object(capture_rng_state())
+    if state is None:
+        return
+    state["rng_states"] = rng_states
+    epoch = state["epoch"]
+    save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
+    if is_best:
+        save_atomic(state, out / "model_best.pth")
+    save_atomic(state, out / "checkpoint.pth")
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    numbered = sorted(int(m.group(1)) for p in (out / "weights").glob("model-*.pth")
+                      if (m := re.fullmatch(r"model-(\d+)\.pth", p.name)))
+    for old in numbered[:-keep_last] if keep_last else []:
+        (out / "weights" / f"model-{old}.pth").unlink()
+
+
+def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
+    """``metrics.jsonl`` as the checkpoint records it: each finished epoch once, even if the last
+    attempt died between its checkpoint and its metrics line."""
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history),
+                                       encoding="utf-8")
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain values (bytes, lists), for ``weights_only`` loading."""
     kind, keys, *rest = np.random.get_state()
     state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate(),
              "numpy": [kind, keys.tolist(), *rest]}
-    if _uses_cuda(device):
-        state["cuda"] = torch.cuda.get_rng_state(device or "cuda").numpy().tobytes()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
 
 
-def restore_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
-    """Inverse of :func:`capture_rng_state` (``device`` as there)."""
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
-    random.setstate(_tuples(state["python"]))
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    if "cuda" in state and _uses_cuda(device):
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8),
-                                 device or "cuda")
-
-
-def _uses_cuda(device: torch.device | None) -> bool:
-    if device is None:
-        return torch.cuda.is_available() and torch.cuda.is_initialized()
-    return device.type == "cuda"
-
-
-def _tuples(obj: Any) -> Any:
-    # random.setstate needs tuples; a round trip through some serialisers yields lists.
-    return tuple(_tuples(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
-
-
-def prune_weights(folder: str | os.PathLike, keep_last: int,
-                  newest: int | None = None) -> list[Path]:
-    """Delete all but the newest ``keep_last`` ``model-{epoch}.pth`` files (0 keeps all).
-
-    ``newest``: the epoch just saved. Files of later epochs are left from a run that went
-    further before this one resumed an earlier checkpoint (e.g. its model_best.pth); they are
-    not this run's newest, so they go first and the file just written is always kept.
-    """
-    if keep_last <= 0:
-        return []
-    numbered = []
-    for path in Path(folder).glob("model-*.pth"):
-        if match := re.fullmatch(r"model-(\d+)\.pth", path.name):
-            numbered.append((int(match.group(1)), path))
-    numbered.sort()
-    stale = [p for e, p in numbered if newest is not None and e > newest]
-    current = [p for e, p in numbered if newest is None or e <= newest]
-    doomed = stale + current[:-keep_last]
-    for path in doomed:
-        path.unlink(missing_ok=True)
-    return doomed
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))

@@ -1,18 +1,44 @@
-"""Shared fixtures: tiny generated datasets and helpers to run the launchers as users do."""
+"""Shared fixtures: tiny generated data, and the ways the suite starts training as users do.
+
+- ``run``/``torchrun_cmd``: a launcher as a subprocess (torchrun, the spawn launcher, python).
+- ``plain``: ``python train_multi_gpu_using_launch.py ARGS`` in a process forked from one that
+  has imported torch already, so each of the many one-process runs does not pay the import again
+  (seconds on 2 cores). The script still runs as ``__main__`` in a fresh process of its own.
+- ``launched``: a launcher in its own session, with every process ever seen below it recorded
+  (from /proc) so a test can check that none is left, and teardown kills any that is.
+- ``probe``: a wrapper run in place of the script that records, per rank, what DDP wrapped, what
+  each DistributedSampler handed out and what each evaluate() returned.
+- ``reference_run``: one uninterrupted 3-epoch torchrun run; resumed runs must end equal to it.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
+import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from utils import make_demo_data  # noqa: E402
+
+LAUNCH = "train_multi_gpu_using_launch.py"
+SPAWN = "train_multi_gpu_using_spawn.py"
+REFERENCE_EPOCHS = 3
 
 # Small enough for 2 CPU cores: 32 px, resnet18, a couple of steps per epoch.
 TINY_FLAGS = ["--device", "cpu", "--model", "resnet18", "--img-size", "32", "--batch-size", "4",
@@ -39,7 +65,415 @@ def run(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.Complete
                           timeout=timeout)
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a rendezvous the test starts itself)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def flags(data: Path, out: Path, *extra: str, workers: int = 0) -> list[str]:
+    """TINY_FLAGS (with ``workers`` loader workers), seed 0, data, output dir, then ``extra``."""
+    base = list(TINY_FLAGS)
+    base[base.index("--workers") + 1] = str(workers)
+    return [*base, "--seed", "0", "--data-path", str(data), "--output-dir", str(out), *extra]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    path = Path(out) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+# A line the guard printed for the user: "error: ..." (logging may put "HH:MM:SS " in front).
+_ERROR_LINE = re.compile(r"^(\d\d:\d\d:\d\d )?(\[rank \d+\] )?error: ")
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if _ERROR_LINE.match(line)]
+
+
+def assert_user_error(res: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit code 2, exactly one ``error:`` line holding every needle, no traceback."""
+    text = res.stdout + res.stderr
+    assert res.returncode == 2, f"exit {res.returncode}\n{text[-3000:]}"
+    assert "Traceback" not in text, text[-3000:]
+    lines = error_lines(res.stderr)
+    assert len(lines) == 1, text[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def clone_run(src: Path, dst: Path, *, full: bool = False) -> Path:
+    """A resumable copy of a run folder: its checkpoint and small files, or everything."""
+    if full:
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock"))
+        return dst
+    dst.mkdir(parents=True)
+    for name in ("checkpoint.pth", "args.json", "class_indices.json", "metrics.jsonl"):
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """5 classes x 12 generated 32 px JPEGs (the demo generator, smaller)."""
     return make_demo_data(tmp_path_factory.mktemp("data") / "flowers", per_class=12, size=32)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_data, tmp_path_factory) -> SimpleNamespace:
+    """An uninterrupted 3-epoch torchrun run (2 processes, --workers 0): the reference."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS))))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return SimpleNamespace(out=out, result=res, epochs=REFERENCE_EPOCHS)
+
+
+# ---------------------------------------------------------------- plain python, forked
+_DRIVER = r'''
+import atexit, importlib, json, os, runpy, sys, traceback
+root, script = sys.argv[1], sys.argv[2]
+sys.path.insert(0, root)
+try:  # what every run imports (torch, torchvision, the repo's modules): once, here
+    importlib.import_module(os.path.splitext(script)[0])
+except BaseException:
+    pass  # the forked run imports it again and reports what is wrong
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    case = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setpgid(0, 0)  # a signal a test sends to the run reaches it alone
+            os.chdir(case["cwd"])
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                os.dup2(os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            os.environ.update(case["env"])
+            sys.argv = [script, *case["argv"]]
+            exec(compile(case["patch"], "<test patch>", "exec"), {"__name__": "test_patch"})
+            runpy.run_path(os.path.join(root, script), run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+'''
+
+
+class PlainPython:
+    """``python train_multi_gpu_using_launch.py ARGV`` without paying torch's import each time.
+
+    ``patch`` is Python run in the fresh process before the script (e.g. a monkeypatch of
+    ``torch.save``); ``env`` adds environment variables. Returns a CompletedProcess.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.count = 0
+        self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER, str(ROOT), LAUNCH],
+                                     cwd=ROOT, env=child_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.replies.put(json.loads(line))
+        self.replies.put(None)
+
+    def _reply(self, timeout: float) -> dict:
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            reply = None
+        if reply is None:
+            raise TimeoutError
+        return reply
+
+    def __call__(self, argv: list[str], *, patch: str = "", timeout: float = 240,
+                 cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+        self.count += 1
+        stdout, stderr = (self.workdir / f"run{self.count}.{n}" for n in ("stdout", "stderr"))
+        case = dict(argv=[str(a) for a in argv], patch=patch, env=env, cwd=str(cwd or ROOT),
+                    stdout=str(stdout), stderr=str(stderr))
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        pid = self._reply(60)["pid"]
+        try:
+            code = self._reply(timeout)["returncode"]
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._reply(60)
+            pytest.fail(f"python {LAUNCH} {' '.join(case['argv'])} still running after "
+                        f"{timeout:.0f}s:\n{stderr.read_text(errors='replace')[-3000:]}")
+        return subprocess.CompletedProcess(
+            [LAUNCH, *case["argv"]], code, stdout.read_text(errors="replace"),
+            stderr.read_text(errors="replace"))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def plain(tmp_path_factory):
+    driver = PlainPython(tmp_path_factory.mktemp("plain"))
+    yield driver
+    driver.close()
+
+
+# ---------------------------------------------------------------- process trees
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, ..., starttime at 19]."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def proc_env(pid: int) -> dict[str, str]:
+    """The environment a process was started with (empty if it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
+                if "=" in item)
+
+
+def proc_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class ProcessTree:
+    """A launcher started in its own session, plus every process ever seen below it.
+
+    Processes are identified by (pid, start time), so a recycled pid is never taken for ours.
+    torchrun puts each worker in a session of its own, so killing the launcher's process group is
+    not enough: ``kill_all`` kills every process recorded here.
+    """
+
+    def __init__(self, cmd: list[str], log_path: Path, **env: str) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # a file, not a pipe: a full pipe would stall the run
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.root = (self.proc.pid, _stat(self.proc.pid)[19])
+        self.seen: dict[tuple[int, str], int] = {}  # (pid, start) -> parent pid
+
+    def refresh(self) -> list[tuple[int, str]]:
+        """Record the current descendants; returns them."""
+        children: dict[int, list[tuple[int, str]]] = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and (fields := _stat(int(entry.name))) and fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            parent = todo.pop()
+            for child in children.get(parent, []):
+                self.seen.setdefault(child, parent)
+                found.append(child)
+                todo.append(child[0])
+        return found
+
+    def children(self, pid: int | None = None) -> list[int]:
+        """Live direct children of ``pid`` (default: the launcher), oldest first."""
+        pid = pid or self.proc.pid
+        live = [p for p in self.refresh() if self.seen[p] == pid and self.alive(p)]
+        return [p for p, _ in sorted(live, key=lambda p: (int(p[1]), p[0]))]
+
+    @staticmethod
+    def alive(ident: tuple[int, str]) -> bool:
+        fields = _stat(ident[0])
+        return fields is not None and fields[19] == ident[1] and fields[0] not in "ZX"
+
+    def alive_seen(self) -> list[int]:
+        return [pid for pid, start in self.seen if self.alive((pid, start))]
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def fail(self, what: str) -> None:
+        pytest.fail(f"{what}\n--- launcher output (tail) ---\n{self.output()[-4000:]}")
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            self.refresh()
+            if self.proc.poll() is not None:
+                self.fail(f"the run exited with {self.proc.returncode} before {what}")
+            if time.monotonic() > deadline:
+                self.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+            time.sleep(0.1)
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.fail(f"still running after {timeout:.0f}s")
+
+    def wait_all_gone(self, timeout: float) -> float:
+        """Seconds until the launcher and every recorded descendant have exited."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is None:
+                self.refresh()
+            elif not self.alive_seen():
+                return time.monotonic() - start
+            time.sleep(0.1)
+        self.fail(f"still running {timeout:.0f}s later: launcher "
+                  f"{'exited' if self.proc.poll() is not None else 'alive'}, "
+                  f"descendants alive: {self.alive_seen()}")
+
+    def kill_all(self) -> None:
+        if self.proc.poll() is None:
+            self.refresh()
+        for pid, start in list(self.seen) + [self.root]:
+            if self.alive((pid, start)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            self._log.close()
+
+
+@pytest.fixture
+def launched(tmp_path):
+    """``launched(cmd, **env)`` starts a ProcessTree; everything in it is killed at teardown."""
+    trees: list[ProcessTree] = []
+
+    def start(cmd: list[str], **env: str) -> ProcessTree:
+        tree = ProcessTree(cmd, tmp_path / f"launcher-{len(trees)}.log", **env)
+        trees.append(tree)
+        return tree
+
+    yield start
+    for tree in trees:
+        tree.kill_all()
+
+
+def epochs_done(out: Path, n: int) -> Callable[[], bool]:
+    return lambda: len(read_metrics(out)) >= n
+
+
+# ---------------------------------------------------------------- probe
+_PROBE = r'''
+"""Run argv[1:] as __main__, recording per rank what DDP wrapped, what each DistributedSampler
+handed out and what each evaluate() returned (one JSON line each, in $PROBE_DIR/rankN.jsonl)."""
+import hashlib, json, os, runpy, sys
+sys.path.insert(0, __ROOT__)
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+import multi_train_utils.train_eval_utils as train_eval_utils
+
+
+def rank():
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def record(kind, **fields):
+    with open(os.path.join(os.environ["PROBE_DIR"], "rank%d.jsonl" % rank()), "a") as f:
+        f.write(json.dumps(dict(kind=kind, rank=rank(), **fields)) + "\n")
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for name, t in getattr(model, "module", model).state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+ddp_init = DistributedDataParallel.__init__
+def wrapped_ddp_init(self, module, *args, **kwargs):
+    norms = {type(m).__name__ for m in module.modules() if "Norm" in type(m).__name__}
+    record("ddp", norms=sorted(norms), world_size=dist.get_world_size())
+    ddp_init(self, module, *args, **kwargs)
+DistributedDataParallel.__init__ = wrapped_ddp_init
+
+sampler_iter = DistributedSampler.__iter__
+def wrapped_sampler_iter(self):
+    indices = list(sampler_iter(self))
+    record("sampler", shuffle=self.shuffle, epoch=self.epoch, size=len(self.dataset),
+           sampler_rank=self.rank, indices=indices)
+    return iter(indices)
+DistributedSampler.__iter__ = wrapped_sampler_iter
+
+evaluate = train_eval_utils.evaluate
+def wrapped_evaluate(model, *args, **kwargs):
+    result = evaluate(model, *args, **kwargs)
+    record("eval", correct=int(result), num_samples=result.num_samples, top1=result.top1,
+           counted=int(result.confusion.sum()), digest=digest(model),
+           world_size=dist.get_world_size() if dist.is_initialized() else 1,
+           node=os.environ.get("PROBE_NODE"))
+    return result
+train_eval_utils.evaluate = wrapped_evaluate
+
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def make_probe(folder: Path) -> SimpleNamespace:
+    """``probe.script`` runs the script given after it with ``probe.env`` set;
+    ``probe.records()`` -> {rank: [record, ...]}."""
+    script = folder / "probe.py"
+    script.write_text(_PROBE.replace("__ROOT__", repr(str(ROOT))))
+    folder = folder / "records"
+    folder.mkdir()
+
+    def records() -> dict[int, list[dict]]:
+        return {int(p.stem[4:]): [json.loads(line) for line in p.read_text().splitlines()]
+                for p in sorted(folder.glob("rank*.jsonl"))}
+
+    return SimpleNamespace(script=str(script), env={"PROBE_DIR": str(folder)}, records=records)
+
+
+@pytest.fixture
+def probe(tmp_path) -> SimpleNamespace:
+    return make_probe(tmp_path)

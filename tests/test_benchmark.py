@@ -21,7 +21,7 @@ from conftest import run
 from PIL import Image
 
 from model import get_model
-from train_common import default_workers
+from my_dataset import default_workers
 
 TINY_BENCH = ["--device", "cpu", "--model", "resnet18", "--img-size", "32", "--batch-size", "2",
               "--pipeline-images", "4", "--pipeline-size", "64", "--steps", "2",

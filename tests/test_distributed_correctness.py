@@ -5,10 +5,12 @@ Each claim is checked against a plain single-process computation done here in th
 - ``evaluate`` is exact for any world size, although ``DistributedSampler`` pads with repeats;
 - ``SyncBatchNormCPU`` on split batches equals ``nn.BatchNorm2d`` on the whole batch, in forward,
   backward and running statistics (and per-rank BatchNorm does not);
-- one DDP step on 2 x B samples equals one step on the 2B samples in one process;
+- one DDP step on 2 x B samples equals one step on the 2B samples in one process, also with
+  gradient accumulation and gradient compression (to its precision);
 - all ranks hold the same weights after DDP construction and after ``train_one_epoch``;
-- ``reduce_value`` and the loss ``train_one_epoch`` returns/logs, and how few collectives it uses;
-- the training script is reproducible run to run, whatever the DataLoader worker count.
+- ``reduce_value``, ``run_on_main`` and the loss ``train_one_epoch`` returns, and how few
+  collectives it uses; a non-finite loss stops every rank;
+- ``format_report`` prints what ``--eval-only`` shows.
 
 Multi-rank checks fork 2-3 workers with a gloo group (``dist_helpers.run_ranks``).
 """
@@ -16,10 +18,8 @@ Multi-rank checks fork 2-3 workers with a gloo group (``dist_helpers.run_ranks``
 from __future__ import annotations
 
 import copy
-import json
+import logging
 import re
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,12 +30,18 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from conftest import TINY_FLAGS, run, torchrun_cmd
 from dist_helpers import flat_state, run_ranks
 from model import get_model
-from multi_train_utils.distributed_utils import reduce_value, register_comm_hook
+from multi_train_utils.distributed_utils import (all_gather_object, all_ranks_ok,
+                                                 broadcast_object, cleanup,
+                                                 init_distributed_mode, reduce_value,
+                                                 register_comm_hook, run_on_main)
+from multi_train_utils.guard import ConfigError, UserError
 from multi_train_utils.sync_batchnorm import SyncBatchNormCPU, convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import EvalResult, evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, EvalResult,
+                                                _norm_constants, evaluate, format_report,
+                                                prepare_images, resolve_amp_dtype,
+                                                train_one_epoch)
 
 CPU = torch.device("cpu")
 NUM_CLASSES = 7  # >= 5, so top-5 is not trivially every class
@@ -345,7 +351,9 @@ def _compiled_syncbn_worker(rank: int, world: int, net: nn.Module, x: torch.Tens
     grads = []
     for compile_it in (False, True):
         model = nn.parallel.DistributedDataParallel(copy.deepcopy(net))
-        run = torch.compile(model) if compile_it else model
+        # aot_eager builds the joint forward/backward graph that held running_mean, without
+        # inductor's code generation (15 s more on 2 cores); it caught that bug too.
+        run = torch.compile(model, backend="aot_eager") if compile_it else model
         for _ in range(2):  # the second step meets the running stats the first one updated
             run(x[rank * 4:(rank + 1) * 4]).square().mean().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -489,7 +497,8 @@ def test_grad_accumulation_steps_on_the_mean_gradient_of_each_group(tmp_path):
     share = [list(range(n))[r::2] for r in range(2)]
     for start in range(0, ACCUM_STEPS, ACCUM_K):
         group = range(start, min(start + ACCUM_K, ACCUM_STEPS))
-        idx = [i for s in group for r in range(2) for i in share[r][s * PER_RANK:(s + 1) * PER_RANK]]
+        idx = [i for s in group for r in range(2)
+               for i in share[r][s * PER_RANK:(s + 1) * PER_RANK]]
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(ref(images[idx]), labels[idx]).backward()
         optimizer.step()
@@ -588,7 +597,7 @@ def test_ranks_hold_identical_weights_after_ddp_and_after_an_epoch(tmp_path):
     assert per_rank[0]["loss"] == per_rank[1]["loss"]
 
 
-# ------------------------------------------------------------------ 5. reduce_value
+# ------------------------------------------------------------------ 5. rank helpers
 def _reduce_worker(rank: int, world: int) -> dict:
     tensor = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], dtype=torch.float64)
     original = tensor.clone()
@@ -598,24 +607,12 @@ def _reduce_worker(rank: int, world: int) -> dict:
     big = reduce_value(16777217.0, average=False)  # 2**24 + 1: float32 cannot hold it
     counts = reduce_value(torch.tensor(rank + 2), average=True)  # integers: 2, 3, 4
     return dict(mean=mean, total=total, scalar=scalar, untouched=torch.equal(tensor, original),
-                big=big, counts=counts)
+                big=big, counts=counts, gathered=all_gather_object(f"r{rank}"),
+                broadcast=broadcast_object(f"from {rank}", src=world - 1),
+                all_ok=all_ranks_ok(True), one_failed=all_ranks_ok(rank != 1))
 
 
-def _init_again_worker(rank: int, world: int) -> tuple:
-    from multi_train_utils.distributed_utils import init_distributed_mode
-
-    info = init_distributed_mode(device="cpu")  # the group exists already (made by run_ranks)
-    return info.rank, info.world_size, info.backend, str(info.device)
-
-
-def test_init_distributed_mode_called_again_describes_the_group_there_is(tmp_path):
-    """A second call (a helper that initialises too) raised torch's "trying to initialize the
-    default process group twice!" under torchrun, and called itself a lone process elsewhere."""
-    got = run_ranks(_init_again_worker, 2, tmp_path)
-    assert got == [(0, 2, "gloo", "cpu"), (1, 2, "gloo", "cpu")]
-
-
-def test_reduce_value_mean_and_sum_on_every_rank(tmp_path):
+def test_reduce_value_and_object_collectives_agree_on_every_rank(tmp_path):
     for rank, got in enumerate(run_ranks(_reduce_worker, 3, tmp_path)):
         assert torch.equal(got["mean"], torch.tensor([2.0, 20.0], dtype=torch.float64)), rank
         assert torch.equal(got["total"], torch.tensor([6.0, 60.0], dtype=torch.float64)), rank
@@ -623,9 +620,11 @@ def test_reduce_value_mean_and_sum_on_every_rank(tmp_path):
         assert got["big"].item() == 3 * 16777217, rank
         assert got["counts"].item() == 3.0 and got["counts"].is_floating_point(), rank
         assert got["untouched"], f"rank {rank}: reduce_value modified its input"
+        assert got["gathered"] == ["r0", "r1", "r2"] and got["broadcast"] == "from 2", rank
+        assert got["all_ok"] is True and got["one_failed"] is False, rank
 
 
-def test_reduce_value_without_process_group_returns_the_value():
+def test_rank_helpers_without_process_group_return_the_value():
     assert not dist.is_initialized()
     tensor = torch.tensor([1.5, -2.0], requires_grad=True)
     for average in (True, False):
@@ -636,6 +635,62 @@ def test_reduce_value_without_process_group_returns_the_value():
     assert float(reduce_value(2.5)) == 2.5 and reduce_value(16777217.0).item() == 16777217
     counts = reduce_value(torch.tensor(3), average=True)
     assert counts.item() == 3.0 and counts.is_floating_point()  # a mean, as with many ranks
+    assert all_gather_object(7) == [7] and broadcast_object("x") == "x"
+    assert all_ranks_ok(True) and not all_ranks_ok(False)
+    assert run_on_main(lambda a, b=0: a + b, 2, b=3) == 5
+    with pytest.raises(ConfigError, match="^one process$"):
+        run_on_main(_raise, ConfigError("one process"))
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def _init_again_worker(rank: int, world: int) -> tuple:
+    info = init_distributed_mode(device="cpu")  # the group exists already (made by run_ranks)
+    return info.rank, info.world_size, info.backend, str(info.device), info.distributed
+
+
+def test_init_distributed_mode_called_again_describes_the_group_there_is(tmp_path):
+    """A second call (a helper that initialises too) raised torch's "trying to initialize the
+    default process group twice!" under torchrun, and called itself a lone process elsewhere."""
+    got = run_ranks(_init_again_worker, 2, tmp_path)
+    assert got == [(0, 2, "gloo", "cpu", True), (1, 2, "gloo", "cpu", True)]
+
+
+def _run_on_main_worker(rank: int, world: int, folder: str) -> dict:
+    calls = []
+
+    def scan(path: str, *, suffix: str) -> list[str]:
+        calls.append(path)
+        return [path + suffix, f"made by rank {dist.get_rank()}"]
+
+    out: dict[str, Any] = {"value": run_on_main(scan, folder, suffix="/x")}
+    for error in (ConfigError(f"--epochs 0 is not a number of epochs (rank {rank})"),
+                  OSError(28, "No space left on device")):
+        try:
+            run_on_main(_raise, error)
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the point
+            out[type(error).__name__] = (type(exc).__name__, str(exc))
+    # Every rank got here: the group still works, nobody waits in a collective.
+    out["after"] = reduce_value(1.0, average=False).item()
+    out["calls"] = calls
+    return out
+
+
+def test_run_on_main_gives_every_rank_rank_0s_value_or_error(tmp_path):
+    """A folder scan or a file written once: the others must not run it, and an error on rank 0
+    must stop them too instead of leaving them in the next collective until the timeout."""
+    per_rank = run_ranks(_run_on_main_worker, 2, tmp_path, "/data")
+    for rank, got in enumerate(per_rank):
+        assert got["value"] == ["/data/x", "made by rank 0"], rank
+        assert got["calls"] == (["/data"] if rank == 0 else []), rank
+        # The very error rank 0 raised (its message says rank 0), on every rank.
+        assert got["ConfigError"] == ("ConfigError",
+                                      "--epochs 0 is not a number of epochs (rank 0)"), rank
+        assert got["OSError"] == ("OSError", "[Errno 28] No space left on device"), rank
+        assert got["after"] == 2.0, rank
+    assert issubclass(ConfigError, UserError)
 
 
 class _InCycle:
@@ -648,8 +703,6 @@ def test_cleanup_destroys_the_group_and_collects_garbage_cycles():
     not during interpreter shutdown, where it aborted 1 in 3 torchrun runs of the example."""
     import gc
     import weakref
-
-    from multi_train_utils.distributed_utils import cleanup
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     gc.disable()  # only cleanup() may collect
@@ -665,25 +718,18 @@ def test_cleanup_destroys_the_group_and_collects_garbage_cycles():
             dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------ 6. loss logging
+# ------------------------------------------------------------------ 6. the loss of an epoch
 LOG_SAMPLES, LOG_BATCH = 14, 3  # 7 per rank -> batches of 3, 3, 1: batch means != sample mean
 IGNORED = 4  # one unreadable sample (label -100): excluded from the mean, not counted as 0
 
 
-def _loss_log_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
-                     labels: torch.Tensor) -> dict:
+def _loss_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
+                 labels: torch.Tensor) -> dict:
     dataset = TensorDataset(images, labels)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=LOG_BATCH, sampler=sampler)
-    ddp = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights never change
-    out = {}
-    for print_freq in (1000, 2):
-        logged: list[tuple[int, float]] = []
-        loss = train_one_epoch(ddp, optimizer, loader, CPU, 0, print_freq=print_freq,
-                               log_fn=lambda step, value, lr: logged.append((step, value)))
-        out[print_freq] = dict(loss=loss, logged=logged)
-
+    out = {"ddp": train_one_epoch(DDP(model), optimizer, loader, CPU, 0, print_freq=2)}
     # Collectives made by train_one_epoch itself: the model is not DDP-wrapped here, so no
     # gradient hook all-reduces; every call counted is the loop's own.
     calls = []
@@ -697,9 +743,9 @@ def _loss_log_worker(rank: int, world: int, model: nn.Module, images: torch.Tens
     try:
         for print_freq in (1000, 1):
             calls.clear()
-            loss = train_one_epoch(model, optimizer, loader, CPU, 0, print_freq=print_freq)
+            out[f"loss@{print_freq}"] = train_one_epoch(model, optimizer, loader, CPU, 0,
+                                                        print_freq=print_freq)
             out[f"all_reduce@{print_freq}"] = len(calls)
-            out[f"loss@{print_freq}"] = loss
     finally:
         dist.all_reduce = real_all_reduce
     out["steps"] = len(loader)
@@ -712,39 +758,52 @@ def test_train_one_epoch_returns_exact_mean_loss_and_syncs_rarely(tmp_path):
     images = torch.randn(LOG_SAMPLES, 3, 6, 6, generator=gen)
     labels = torch.randint(0, 5, (LOG_SAMPLES,), generator=gen)
     labels[IGNORED] = -100
-    per_rank = run_ranks(_loss_log_worker, 2, tmp_path, model, images, labels)
+    per_rank = run_ranks(_loss_worker, 2, tmp_path, model, images, labels)
 
     with torch.no_grad():
         per_sample = F.cross_entropy(model(images), labels, reduction="none", ignore_index=-100)
     valid = labels != -100
-
-    def mean_over(indices: list[int]) -> float:
-        keep = [i for i in indices if valid[i]]
-        return float(per_sample[keep].double().mean())
-
-    everything = mean_over(list(range(LOG_SAMPLES)))
-    # DistributedSampler(shuffle=False) deals indices round-robin; after 2 of 3 steps each rank
-    # has seen its first 2 batches (6 samples).
-    first_two_steps = mean_over([i for r in range(2) for i in range(LOG_SAMPLES)[r::2][:6]])
-    assert abs(everything - first_two_steps) > 1e-4  # so the two checks below are distinct
-
+    everything = float(per_sample[valid].double().mean())
+    # Not the mean of the batch means: DistributedSampler deals round-robin, 3 + 3 + 1 per rank.
+    shares = [list(range(LOG_SAMPLES))[r::2] for r in range(2)]
+    batch_means = [float(per_sample[b][valid[b]].mean()) for share in shares
+                   for b in (share[:3], share[3:6], share[6:])]
+    assert abs(everything - sum(batch_means) / len(batch_means)) > 1e-3
     for rank, got in enumerate(per_rank):
-        steps = got["steps"]
-        assert steps == 3
-        for key in (1000, 2):
-            assert got[key]["loss"] == pytest.approx(everything, rel=1e-6), (rank, key)
-        assert got["loss@1000"] == pytest.approx(everything, rel=1e-6)
-        assert got["loss@1"] == pytest.approx(everything, rel=1e-6)
-        # print_freq > steps: one log, at the last step, of the whole epoch's mean.
-        assert [s for s, _ in got[1000]["logged"]] == [steps - 1]
-        assert got[1000]["logged"][0][1] == pytest.approx(everything, rel=1e-6)
-        # print_freq 2: the running mean over every rank's samples so far, then the final one.
-        assert [s for s, _ in got[2]["logged"]] == [1, 2]
-        assert got[2]["logged"][0][1] == pytest.approx(first_two_steps, rel=1e-6)
-        assert got[2]["logged"][1][1] == pytest.approx(everything, rel=1e-6)
-        # No per-step collective: one all-reduce per epoch, or one per logged step.
+        assert got["steps"] == 3
+        for key in ("ddp", "loss@1000", "loss@1"):
+            assert got[key] == pytest.approx(everything, rel=1e-6), (rank, key)
+        # No per-step collective: one all-reduce per epoch, or one per reported step.
         assert got["all_reduce@1000"] == 1, got["all_reduce@1000"]
-        assert got["all_reduce@1"] == steps, got["all_reduce@1"]
+        assert got["all_reduce@1"] == got["steps"], got["all_reduce@1"]
+
+
+def _nan_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
+                labels: torch.Tensor) -> str:
+    if rank == 1:  # one rank's data goes bad; rank 0's stays fine
+        images = images.clone()
+        images[5] = float("nan")
+    dataset = TensorDataset(images, labels)
+    loader = DataLoader(dataset, batch_size=2,
+                        sampler=DistributedSampler(dataset, world, rank, shuffle=False))
+    try:
+        train_one_epoch(DDP(model), torch.optim.SGD(model.parameters(), lr=0.1), loader, CPU, 3,
+                        print_freq=2)
+    except FloatingPointError as exc:
+        return str(exc)
+    return "trained on"
+
+
+def test_a_non_finite_loss_stops_every_rank_with_one_sentence(tmp_path):
+    """Rank 1 alone sees the NaN; were only it to stop, rank 0 would wait in DDP's next
+    all-reduce until the timeout."""
+    gen = torch.Generator().manual_seed(2)
+    images, labels = torch.randn(16, 3, 6, 6, generator=gen), torch.randint(0, 4, (16,),
+                                                                           generator=gen)
+    got = run_ranks(_nan_worker, 2, tmp_path, tiny_net(4, bn=False), images, labels)
+    # Sample 5 is rank 1's third (round-robin), in its step 1: noticed at step 1 (print_freq 2).
+    assert got == ["loss is nan at epoch 3 step 1 (checked every 2 steps); lower the learning "
+                   "rate (--lr) or check the data."] * 2
 
 
 def test_progress_goes_to_the_log_when_stdout_is_a_file(caplog, capsys):
@@ -766,7 +825,7 @@ def test_progress_goes_to_the_log_when_stdout_is_a_file(caplog, capsys):
     assert "[train epoch" not in capsys.readouterr().out  # no bar in a file
 
 
-# ------------------------------------------------------------------ 6b. own data and models
+# ------------------------------------------------------------------ 7. own data and models
 def test_soft_and_int32_labels_train_as_their_cross_entropy():
     """Class probabilities (one-hot, smoothing, MixUp) count one sample per row, not per class;
     int32 labels (numpy's) are class indices like int64."""
@@ -813,32 +872,6 @@ def test_clip_grad_norm_clips_the_true_mean_gradient_also_under_a_grad_scaler(fp
         assert scaler.get_scale() == 2.0**16  # finite gradients: the step was taken, not skipped
 
 
-def test_batches_evaluate_cannot_use_are_one_sentence():
-    model = tiny_net(4, bn=False)
-    images, labels = torch.randn(6, 3, 6, 6), torch.randint(0, 4, (6,))
-    dicts = DataLoader([{"image": x, "label": y} for x, y in zip(images, labels)], batch_size=3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"^train_one_epoch takes batches of \(inputs, labels\), "
-                                        r"got a dict with keys image, label; give the DataLoader "
-                                        r"a collate_fn that returns \(inputs, labels\).$"):
-        train_one_epoch(model, optimizer, dicts, CPU, 0)
-    floats = DataLoader(TensorDataset(images, labels.float()), batch_size=3)  # indices as floats
-    with pytest.raises(TypeError, match=r"^train_one_epoch takes class indices as integers, got "
-                                        r"torch.float32 labels of shape \(3,\); convert them with "
-                                        r"\.long\(\) \(class probabilities are \(N, C\)\).$"):
-        train_one_epoch(model, optimizer, floats, CPU, 0)
-    soft = DataLoader(TensorDataset(images, F.one_hot(labels, 4).float()), batch_size=3)
-    with pytest.raises(ValueError, match=r"^evaluate needs class indices \(N,\) as labels, got "
-                                         r"class probabilities of shape \(3, 4\)"):
-        evaluate(model, soft, CPU)
-    gray = DataLoader(TensorDataset(torch.zeros(6, 1, 6, 6, dtype=torch.uint8), labels),
-                      batch_size=3)
-    with pytest.raises(ValueError, match=r"^uint8 inputs are taken as images \(N, 3, H, W\) to "
-                                         r"normalise with mean/std, but this batch is "
-                                         r"\(3, 1, 6, 6\)"):
-        evaluate(model, gray, CPU)
-
-
 class _Pair(nn.Module):  # a model that returns (logits, features), as many do
     def __init__(self) -> None:
         super().__init__()
@@ -853,48 +886,60 @@ class _Unsized(torch.utils.data.IterableDataset):
         return iter([(torch.zeros(3, 6, 6), 0)] * 4)
 
 
-@pytest.mark.parametrize("case", ["labels (N, 1)", "model returns a tuple", "one logit",
+@pytest.mark.parametrize("case", ["dict batches", "model returns a tuple", "one logit",
                                   "multi-hot labels", "negative accumulation", "print_freq 0",
                                   "no length", "string labels"])
 def test_what_the_loop_cannot_train_is_one_sentence_not_a_wrong_loss(case):
-    """Each of these trained silently wrong (a regression target: loss 0; multi-hot: softmax
-    cross-entropy; grad_accum_steps -1: gradient ascent) or failed deep inside torch."""
+    """Each of these trained silently wrong (one logit: loss 0; multi-hot: softmax cross-entropy;
+    grad_accum_steps -1: gradient ascent) or failed deep inside torch."""
     gen = torch.Generator().manual_seed(0)
     images, labels = torch.randn(8, 3, 6, 6, generator=gen), torch.randint(0, 4, (8,),
                                                                          generator=gen)
     model, kwargs = tiny_net(4, bn=False), {}
     data: Any = TensorDataset(images, labels)
     error, message = ValueError, None
-    if case == "labels (N, 1)":
-        data = TensorDataset(images, labels[:, None].float())
-        message = (r"takes class indices \(N,\) or class probabilities \(N, C\), got labels of "
-                   r"shape \(4, 1\); for indices, flatten them")
-    elif case == "model returns a tuple":
-        model, error = _Pair(), TypeError
-        message = r"needs the model to return one logits tensor \(N, C\), got a tuple"
-    elif case == "one logit":
-        model = tiny_net(1, bn=False)
-        message = (r"needs logits \(N, C\) for C >= 2 classes, but the model returned \(4, 1\); "
-                   r"for one output per sample \(binary, regression\)")
+    if case == "dict batches":
+        data, error = [{"image": x, "label": y} for x, y in zip(images, labels)], TypeError
+        message = (r"^train_one_epoch takes batches of tensors \(inputs, labels\), got a dict "
+                   r"with keys image, label; .* a collate_fn that returns \(inputs, labels\)\.$")
+    elif case in ("model returns a tuple", "one logit"):
+        model = _Pair() if case[0] == "m" else tiny_net(1, bn=False)
+        got = "tuple" if case[0] == "m" else r"\(4, 1\)"
+        message = (rf"^train_one_epoch needs the model to return logits \(N, C\) for C >= 2 "
+                   rf"classes, got {got}; wrap the model")
     elif case == "multi-hot labels":
         data = TensorDataset(images, (torch.rand(8, 4, generator=gen) > 0.3).float())
-        message = (r"takes \(N, C\) labels as class probabilities \(each row >= 0, summing to "
-                   r"1\), but its row sums range over \[[0-4], [2-4]\].*BCEWithLogitsLoss")
+        message = (r"takes \(N, C\) labels as class probabilities \(rows >= 0 summing to 1\), "
+                   r"but row sums range over \[[0-4], [2-4]\].*BCEWithLogitsLoss")
     elif case in ("negative accumulation", "print_freq 0"):
         name, value = ("grad_accum_steps", -1) if case[0] == "n" else ("print_freq", 0)
         kwargs = {name: value}
         message = rf"^train_one_epoch: {name} must be an integer >= 1, got {value}\.$"
     elif case == "no length":
         data, error = _Unsized(), TypeError
-        message = r"needs a data loader with a length.*give the IterableDataset a __len__"
+        message = r"needs a data loader with a length; give the IterableDataset a __len__"
     else:
         data, error = [(image, "cat") for image in images], TypeError
-        message = r"takes \(inputs, labels\) as tensors, got \(Tensor, tuple\)"
+        message = r"takes batches of tensors \(inputs, labels\), got a list of 2 items, not 2 "
     before = flat_state(model)
     with pytest.raises(error, match=message):
         train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1),
                         DataLoader(data, batch_size=4), CPU, 0, **kwargs)
     assert torch.equal(flat_state(model), before)  # refused before any step
+
+
+def test_batches_evaluate_cannot_use_are_one_sentence():
+    model = tiny_net(4, bn=False)
+    images, labels = torch.randn(6, 3, 6, 6), torch.randint(0, 4, (6,))
+    soft = DataLoader(TensorDataset(images, F.one_hot(labels, 4).float()), batch_size=3)
+    with pytest.raises(ValueError, match=r"^evaluate needs class indices \(N,\) as labels, got "
+                                         r"class probabilities of shape \(3, 4\)\.$"):
+        evaluate(model, soft, CPU)
+    gray = DataLoader(TensorDataset(torch.zeros(6, 1, 6, 6, dtype=torch.uint8), labels),
+                      batch_size=3)
+    with pytest.raises(ValueError, match=r"^uint8 inputs are taken as images \(N, 3, H, W\) to "
+                                         r"normalise, but this batch is \(3, 1, 6, 6\)"):
+        evaluate(model, gray, CPU)
 
 
 def test_eval_result_survives_copy_and_pickle():
@@ -910,8 +955,6 @@ def test_eval_result_survives_copy_and_pickle():
 
 def _eval_without_sampler_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
                                  labels: torch.Tensor) -> list[str]:
-    import logging
-
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -944,37 +987,29 @@ def test_evaluate_warns_when_a_loader_would_count_samples_twice_or_drop_them(eva
         evaluate(model, unordered, CPU)
 
 
-# ------------------------------------------------------------------ 7. reproducible end to end
-def _train(tiny_data: Path, out: Path, *extra: str) -> list[dict]:
-    res = run(torchrun_cmd(2, "train_multi_gpu_using_launch.py", "--data-path", str(tiny_data),
-                           *TINY_FLAGS, "--epochs", "2", "--output-dir", str(out), *extra))
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _final_weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "weights" / "model-1.pth", map_location="cpu", weights_only=True)
-
-
-def test_training_is_reproducible_and_seed_dependent(tiny_data, tmp_path):
-    # The "w2" run repeats "a" in other processes with loader workers: equal results show both
-    # that a run repeats exactly and that the worker count is moot (MyDataSet seeds each
-    # sample's augmentation by (seed, epoch, index)).
-    runs = {"a": (), "w2": ("--workers", "2"), "s1": ("--seed", "1")}
-    # All at once: much of each run is interpreter start-up and rendezvous, not compute.
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        jobs = {name: pool.submit(_train, tiny_data, tmp_path / name, *extra)
-                for name, extra in runs.items()}
-        first, workers, other_seed = (jobs[name].result() for name in runs)
-
-    def curve(metrics: list[dict]) -> list[tuple]:
-        return [(m["epoch"], m["train_loss"], m["val_acc"], m["val_loss"]) for m in metrics]
-
-    assert len(first) == 2
-    assert curve(workers) == curve(first)
-    ref, weights = _final_weights(tmp_path / "a"), _final_weights(tmp_path / "w2")
-    assert all(torch.equal(weights[k], v) for k, v in ref.items())
-    assert [m["train_loss"] for m in other_seed] != [m["train_loss"] for m in first]
+# ------------------------------------------------------------------ 8. the --eval-only report
+def test_format_report_lists_each_class_then_the_totals():
+    # 3 daisies (2 right), 1 rose (right), no tulip; 6 classes, so top-5 can miss.
+    confusion = torch.zeros(6, 6, dtype=torch.int64)
+    confusion[0, 0], confusion[0, 1], confusion[1, 1] = 2, 1, 1
+    result = EvalResult(3, top5_correct=4, num_samples=4, loss_sum=2.0, confusion=confusion)
+    classes = ["daisy", "red\trose", "tulip\nnew", "a", "b", "c"]
+    assert format_report(result, classes).splitlines() == [
+        "accuracy per class:",
+        "  daisy: 0.6667 (3 images)",
+        "  red\\trose: 1.0000 (1 image)",  # a tab or line break would break the column
+        "  tulip\\nnew: n/a (no validation images)",
+        "  a: n/a (no validation images)",
+        "  b: n/a (no validation images)",
+        "  c: n/a (no validation images)",
+        "val images: 4",
+        "top-1 accuracy: 0.7500",
+        "top-5 accuracy: 1.0000",
+        "val loss: 0.5000",
+    ]
+    few = EvalResult(1, top5_correct=2, num_samples=2, loss_sum=1.0,
+                     confusion=torch.eye(2, dtype=torch.int64))
+    assert "top-5" not in format_report(few, ["x", "y"])  # 2 classes: top-5 is always 1
 
 
 # ------------------------------------------------------------------ GPU choices, checked on CPU
@@ -982,8 +1017,6 @@ def test_training_is_reproducible_and_seed_dependent(tiny_data, tmp_path):
 def test_amp_takes_bf16_only_where_the_gpu_has_it(native_bf16, want, monkeypatch):
     """Before Ampere, torch.cuda.is_bf16_supported() says yes by emulation, but cuDNN has no bf16
     convolutions there: those GPUs must get fp16 (with the GradScaler), not bf16."""
-    from multi_train_utils.train_eval_utils import resolve_amp_dtype
-
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: native_bf16 or including_emulation)
     assert resolve_amp_dtype(None, torch.device("cuda", 0)) == want  # on by default on CUDA
@@ -992,24 +1025,7 @@ def test_amp_takes_bf16_only_where_the_gpu_has_it(native_bf16, want, monkeypatch
     assert resolve_amp_dtype(True, torch.device("cpu")) == torch.bfloat16
 
 
-def _amp_dtypes_of_ranks(rank, world_size, dtypes):
-    from multi_train_utils.train_eval_utils import common_amp_dtype
-
-    return [common_amp_dtype(dtype[rank]) for dtype in dtypes]
-
-
-def test_ranks_agree_on_one_amp_dtype(tmp_path):
-    """An Ampere GPU beside a V100: bf16 on one rank and fp16 (gradients x the scale) on the
-    other would be averaged together; every rank takes fp16 then."""
-    bf16, fp16 = torch.bfloat16, torch.float16
-    cases = [(bf16, fp16), (fp16, bf16), (bf16, bf16), (fp16, fp16), (None, None)]
-    per_rank = run_ranks(_amp_dtypes_of_ranks, 2, tmp_path, cases)
-    assert per_rank == [[fp16, fp16, bf16, fp16, None]] * 2
-
-
 def test_channels_last_leaves_inputs_that_are_not_images_alone():
-    from multi_train_utils.train_eval_utils import prepare_images
-
     features = torch.randn(4, 7)  # (N, features) for an MLP: no 4-D layout to take
     out = prepare_images(features, torch.device("cpu"), channels_last=True)
     assert torch.equal(out, features)
@@ -1017,9 +1033,6 @@ def test_channels_last_leaves_inputs_that_are_not_images_alone():
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_prepare_images_normalises_on_the_device_once_per_device(channels_last):
-    from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, _norm_constants,
-                                                    prepare_images)
-
     batch = torch.randint(0, 256, (2, 3, 5, 4), dtype=torch.uint8)
     out = prepare_images(batch, torch.device("cpu"), channels_last=channels_last)
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
@@ -1028,5 +1041,5 @@ def test_prepare_images_normalises_on_the_device_once_per_device(channels_last):
     assert out.dtype == torch.float32
     assert out.is_contiguous(memory_format=torch.channels_last) == channels_last
     # The constants are made once (on CUDA each torch.tensor(..., device=) would wait for the GPU).
-    first = _norm_constants(IMAGENET_MEAN, IMAGENET_STD, torch.device("cpu"))
-    assert _norm_constants(IMAGENET_MEAN, IMAGENET_STD, torch.device("cpu"))[0] is first[0]
+    first = _norm_constants(torch.device("cpu"))
+    assert _norm_constants(torch.device("cpu"))[0] is first[0]

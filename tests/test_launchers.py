@@ -1,250 +1,299 @@
-"""End to end: both launchers train on tiny data with 2 gloo processes and leave usable files."""
+"""Both launchers run the same recipe: torchrun, the legacy ``torch.distributed.launch --use_env``,
+the spawn launcher and plain python. What each leaves on disk, what DDP trained with (SyncBN,
+each rank's share, exact evaluation), how flags parse, and how a user's mistake is said.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
+import math
+import re
+import runpy
+import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 
-from conftest import TINY_FLAGS, run, torchrun_cmd
-from model import get_model
-from multi_train_utils.distributed_utils import DistInfo, find_free_port
-from multi_train_utils.sync_batchnorm import SyncBatchNormCPU
-from train_common import _build_model, get_args_parser
+from conftest import (LAUNCH, ROOT, SPAWN, assert_user_error, error_lines, flags, free_port,
+                      load_ckpt, make_probe, read_metrics, run, torchrun_cmd)
 from utils import make_demo_data
 
+CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 
-def check_run_dir(out: Path, epochs: int, world_size: int) -> None:
-    """Metrics per epoch, loadable weights without 'module.', args and class indices."""
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in lines] == list(range(epochs))
-    for r in lines:
-        assert set(r) >= {"epoch", "train_loss", "val_acc", "lr", "epoch_seconds",
-                          "train_images_per_sec"}
-        assert 0.0 <= r["val_acc"] <= 1.0 and r["train_loss"] > 0 and r["epoch_seconds"] > 0
-    recorded = json.loads((out / "args.json").read_text())
-    assert recorded["world_size"] == world_size
-    assert recorded["amp_dtype"] == ("bfloat16" if recorded["amp"] else None)
-    classes = json.loads((out / "class_indices.json").read_text())
-    assert classes == {"0": "daisy", "1": "dandelion", "2": "roses", "3": "sunflowers",
-                       "4": "tulips"}
-    for epoch in range(epochs):
-        state = torch.load(out / "weights" / f"model-{epoch}.pth", map_location="cpu",
-                           weights_only=True)
-        assert not any(k.startswith("module.") for k in state)
-        get_model("resnet18", num_classes=5).load_state_dict(state, strict=True)
-    ckpt = torch.load(out / "checkpoint.pth", map_location="cpu", weights_only=True)
+
+def cosine(epoch: int, epochs: int, lrf: float = 0.1) -> float:
+    return (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf
+
+
+def check_run_folder(out: Path, epochs: int, world_size: int) -> None:
+    """A metrics line per epoch, the flags and classes, the checkpoint of the last epoch."""
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics] == list(range(epochs))
+    for m in metrics:
+        assert {"epoch", "train_loss", "val_acc", "val_loss", "lr", "epoch_seconds",
+                "train_images_per_sec"} <= m.keys()
+        assert 0 <= m["val_acc"] <= 1 and m["train_loss"] > 0 and m["epoch_seconds"] > 0
+    assert json.loads((out / "args.json").read_text())["world_size"] == world_size
+    assert json.loads((out / "class_indices.json").read_text()) == {
+        str(i): c for i, c in enumerate(CLASSES)}
+    ckpt = load_ckpt(out / "checkpoint.pth")
     assert ckpt["epoch"] == epochs - 1 and ckpt["args"]["world_size"] == world_size
+    assert sorted(p.name for p in (out / "weights").iterdir()) == [
+        f"model-{e}.pth" for e in range(epochs)]
 
 
-def test_torchrun_two_processes(tiny_data, tmp_path):
+# ---------------------------------------------------------------- the four ways to start
+def test_torchrun_two_processes(reference_run):
+    check_run_folder(reference_run.out, reference_run.epochs, world_size=2)
+    # lr = --lr x 2 processes (linear scaling), on a cosine over the 3 epochs.
+    lrs = [m["lr"] for m in read_metrics(reference_run.out)]
+    assert lrs == pytest.approx([0.002 * cosine(e, 3) for e in range(3)], rel=1e-9)
+
+
+def test_weights_are_bare_and_load_strictly_into_torchvision_resnet18(reference_run):
+    out = reference_run.out
+    final = load_ckpt(out / "checkpoint.pth")["model"]
+    for epoch in range(reference_run.epochs):
+        state = load_ckpt(out / "weights" / f"model-{epoch}.pth")
+        assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
+        torchvision.models.resnet18(num_classes=5).load_state_dict(state, strict=True)
+    assert all(torch.equal(state[k], final[k]) for k in final)  # the last one is the final model
+    first = load_ckpt(out / "weights" / "model-0.pth")
+    assert not torch.equal(first["fc.weight"], final["fc.weight"])  # it trained
+
+
+@pytest.fixture(scope="module")
+def legacy_run(tiny_data, tmp_path_factory):
+    """``python -m torch.distributed.launch --use_env``, the classic command line's flags
+    (``--syncBN False``, ``--world-size 2``), recorded by the probe."""
+    tmp = tmp_path_factory.mktemp("legacy")
+    probe, out = make_probe(tmp), tmp / "run"
+    res = run([sys.executable, "-m", "torch.distributed.launch", "--use_env",
+               "--nproc_per_node=2", f"--master_port={free_port()}", probe.script, LAUNCH,
+               *flags(tiny_data, out, "--epochs", "1", "--syncBN", "False", "--world-size", "2")],
+              **probe.env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return out, probe.records()
+
+
+def test_legacy_launch_use_env(legacy_run):
+    out, _ = legacy_run
+    check_run_folder(out, epochs=1, world_size=2)
+
+
+def test_syncBN_False_trains_with_plain_batchnorm(legacy_run):
+    _, records = legacy_run
+    ddp = [r for rank in (0, 1) for r in records[rank] if r["kind"] == "ddp"]
+    assert [(r["rank"], r["norms"]) for r in ddp] == [(0, ["BatchNorm2d"]), (1, ["BatchNorm2d"])]
+
+
+def test_spawn_launcher_two_cpu_processes(tiny_data, tmp_path):
     out = tmp_path / "run"
-    res = run(torchrun_cmd(2, "train_multi_gpu_using_launch.py", "--data-path", str(tiny_data),
-                           *TINY_FLAGS, "--epochs", "2", "--output-dir", str(out)))
-    assert res.returncode == 0, res.stderr[-3000:]
-    check_run_dir(out, epochs=2, world_size=2)
-    # Rank 0 alone logs: one summary line per epoch in the combined output.
-    assert (res.stderr + res.stdout).count("[epoch 1] train loss") == 1
-    # What the launcher and the flags resolved to, said once: device, backend, global batch, lr.
-    assert (res.stderr + res.stdout).count(
-        "training resnet18 at 32 px, epochs 0-1: 2 process(es) on cpu with gloo; batch 4 per "
-        "process, 8 per optimizer step; lr 0.002 (--lr 0.001 x 2 processes)\n") == 1
+    res = run([sys.executable, SPAWN, "--world-size", "2",
+               *flags(tiny_data, out, "--epochs", "1")])
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    check_run_folder(out, epochs=1, world_size=2)
 
 
-def test_legacy_launch_use_env(tiny_data, tmp_path):
+def test_plain_python_one_process(tiny_data, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.launch", "--use_env", "--nproc_per_node=2",
-           f"--master_port={find_free_port()}", "train_multi_gpu_using_launch.py",
-           "--data-path", str(tiny_data), *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out),
-           "--comm-hook", "bf16", "--world-size", "2"]  # the classic command line's flag
-    res = run(cmd)
+    res = run([sys.executable, LAUNCH, *flags(tiny_data, out, "--epochs", "1")])
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    check_run_folder(out, epochs=1, world_size=1)
+    assert read_metrics(out)[0]["lr"] == pytest.approx(0.001)  # one process: --lr as given
+
+
+# ---------------------------------------------------------------- what DDP trained with
+@pytest.fixture(scope="module")
+def messy(tiny_data, tmp_path_factory) -> Path:
+    """tiny_data plus files a real folder has: a corrupt and an empty JPEG, a text file, a hidden
+    file and a file beside the class folders."""
+    root = tmp_path_factory.mktemp("messy") / "flowers"
+    shutil.copytree(tiny_data, root)
+    (root / "daisy" / "corrupt.jpg").write_bytes(bytes(range(256)) * 8)
+    (root / "roses" / "empty.jpg").write_bytes(b"")
+    (root / "tulips" / "notes.txt").write_text("picked in May\n")
+    (root / "tulips" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (root / "README.txt").write_text("flowers\n")
+    return root
+
+
+MESSY = {"corrupt.jpg", "empty.jpg", "notes.txt", ".DS_Store", "README.txt"}
+VAL_IMAGES = 15  # odd: 2 ranks pad it to 16, and the padded duplicate must not be scored
+
+
+@pytest.fixture(scope="module")
+def probed_run(messy, tmp_path_factory):
+    """torchrun, 2 processes, 2 epochs on the messy folder, validated on a separate folder of 15
+    images, recorded by the probe."""
+    tmp = tmp_path_factory.mktemp("probed")
+    probe, out = make_probe(tmp), tmp / "run"
+    val = make_demo_data(tmp / "val", per_class=VAL_IMAGES // 5, size=32)
+    res = run(torchrun_cmd(2, probe.script, LAUNCH, *flags(messy, out, "--epochs", "2",
+                                                            "--val-path", str(val))),
+              **probe.env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return out, val, probe.records()
+
+
+def test_torchrun_trains_through_a_messy_folder_and_lists_what_it_skipped(probed_run):
+    out, _, _ = probed_run
+    check_run_folder(out, epochs=2, world_size=2)
+    listed = (out / "skipped_files.txt").read_text(encoding="utf-8").splitlines()
+    assert all("\t" in line for line in listed)  # path<TAB>reason
+    assert sorted(Path(line.split("\t")[0]).name for line in listed) == sorted(MESSY)
+
+
+def test_cpu_syncbatchnorm_is_on_in_a_two_process_run(probed_run):
+    _, _, records = probed_run
+    for rank in (0, 1):
+        (ddp,) = [r for r in records[rank] if r["kind"] == "ddp"]
+        assert ddp["world_size"] == 2 and ddp["norms"], ddp
+        assert all("Sync" in name for name in ddp["norms"]), ddp["norms"]
+
+
+def test_each_rank_trains_on_its_own_share(probed_run):
+    _, _, records = probed_run
+    shares = {}
+    for rank in (0, 1):
+        for r in records[rank]:
+            if r["kind"] == "sampler" and r["shuffle"]:
+                assert (rank, r["epoch"]) not in shares, "the training sampler ran twice"
+                assert r["sampler_rank"] == rank
+                shares[rank, r["epoch"]] = r
+    assert sorted(shares) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for epoch in (0, 1):
+        a, b = shares[0, epoch], shares[1, epoch]
+        size = a["size"]
+        assert size == 60 and len(a["indices"]) == len(b["indices"]) == size // 2
+        assert sorted(a["indices"] + b["indices"]) == list(range(size))  # disjoint, complete
+    # set_epoch: each epoch is another permutation
+    assert shares[0, 0]["indices"] != shares[0, 1]["indices"]
+
+
+def test_evaluation_scores_each_val_image_exactly_once(probed_run):
+    out, _, records = probed_run
+    evals = {rank: [r for r in records[rank] if r["kind"] == "eval"] for rank in (0, 1)}
+    assert len(evals[0]) == len(evals[1]) == 2
+    for e0, e1 in zip(evals[0], evals[1]):
+        for e in (e0, e1):
+            assert e["num_samples"] == e["counted"] == VAL_IMAGES, e  # not 16
+            assert e["top1"] == pytest.approx(e["correct"] / VAL_IMAGES)
+        assert (e0["correct"], e0["top1"]) == (e1["correct"], e1["top1"])  # reduced: same
+        assert e0["digest"] == e1["digest"]  # DDP kept the replicas identical
+    assert [m["val_acc"] for m in read_metrics(out)] == pytest.approx(
+        [e["correct"] / VAL_IMAGES for e in evals[0]], abs=1e-6)
+
+
+def test_two_process_evaluation_equals_one_process(probed_run, messy, plain, tmp_path):
+    out, val, _ = probed_run
+    res = plain(flags(messy, tmp_path / "eval", "--eval-only", "--val-path", str(val),
+                      "--weights", str(out / "weights" / "model-1.pth")))
     assert res.returncode == 0, res.stderr[-3000:]
-    check_run_dir(out, epochs=1, world_size=2)
-    # Gradient compression reaches DDP (its numerics: test_distributed_correctness).
-    assert (res.stderr + res.stdout).count("DDP all-reduces gradients in bf16") == 1
+    (top1,) = re.findall(r"top-1 accuracy: ([\d.]+)(%?)", res.stdout + res.stderr)
+    value = float(top1[0]) / (100 if top1[1] else 1)
+    assert value == pytest.approx(read_metrics(out)[-1]["val_acc"], abs=1e-4)
+    assert not (tmp_path / "eval").exists()
 
 
-def test_spawn_two_cpu_processes(tiny_data, tmp_path):
-    out = tmp_path / "run"
-    res = run([sys.executable, "train_multi_gpu_using_spawn.py", "--world-size", "2",
-               "--data-path", str(tiny_data), *TINY_FLAGS, "--epochs", "2", "--output-dir", str(out)])
-    assert res.returncode == 0, res.stderr[-3000:]
-    check_run_dir(out, epochs=2, world_size=2)
-    assert ":12355" not in res.stderr  # the port is picked, not fixed
+# ---------------------------------------------------------------- flags
+def parser():
+    import train_multi_gpu_using_launch
 
-
-@pytest.mark.parametrize("case", ["busy-dist-url", "busy-master-port", "bad-dist-url",
-                                  "bad-master-port", "node-rank", "cuda-hidden"])
-def test_spawn_usage_errors_are_one_line_before_any_process_starts(case, monkeypatch, caplog):
-    import train_multi_gpu_using_spawn as spawn
-
-    for key in ("MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(spawn.mp, "start_processes", _must_not_start)
-    argv = ["--device", "cpu", "--world-size", "2"]
-    busy = socket.socket()  # another job's store listening on the port
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    port = busy.getsockname()[1]
-    if case == "busy-dist-url":
-        argv += ["--dist-url", f"tcp://127.0.0.1:{port}"]
-        message = f"port {port} is not free on this machine (Address already in use)"
-    elif case == "busy-master-port":
-        monkeypatch.setenv("MASTER_PORT", str(port))
-        message = f"port {port} is not free on this machine"
-    elif case == "bad-dist-url":
-        argv += ["--dist-url", "tcp://127.0.0.1"]
-        message = "--dist-url 'tcp://127.0.0.1' is not 'env://' or 'tcp://HOST:PORT'"
-    elif case == "bad-master-port":
-        monkeypatch.setenv("MASTER_PORT", "auto")
-        message = "MASTER_PORT='auto' is not a port number; unset it to use a free one."
-    elif case == "node-rank":
-        argv += ["--nnodes", "2", "--node-rank", "2", "--dist-url", "tcp://10.0.0.1:29500"]
-        message = "--node-rank 2 but --nnodes 2: node ranks run from 0 to 1."
-    else:  # no GPU visible (as in CI, or CUDA_VISIBLE_DEVICES="" on a GPU machine)
-        monkeypatch.setattr(spawn.torch.cuda, "is_available", lambda: False)
-        argv = ["--device", "cuda"]
-        message = "--device cuda was asked for, but CUDA is not available here; use --device cpu"
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            spawn.main(spawn.get_args_parser().parse_args(argv))
-    finally:
-        busy.close()
-    assert exit_info.value.code == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], errors
-
-
-def _must_not_start(*args, **kwargs):
-    raise AssertionError("a process was started despite the usage error")
-
-
-def test_plain_python_single_process(tmp_path):
-    out = tmp_path / "run"
-    # 4 images a class, not tiny_data's 12: emulated bf16 trains at ~2 img/s on CI's CPUs.
-    data = make_demo_data(tmp_path / "flowers", per_class=4, size=32)
-    res = run([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(data),
-               *TINY_FLAGS, "--epochs", "1", "--output-dir", str(out), "--comm-hook", "bf16",
-               "--amp"])
-    assert res.returncode == 0, res.stderr[-3000:]
-    check_run_dir(out, epochs=1, world_size=1)
-    # A flag that cannot act here says so instead of being silently ignored.
-    assert "--comm-hook bf16 does nothing in a single process" in res.stderr
-    assert ("training resnet18 at 32 px, epochs 0-0: 1 process(es) on cpu, bfloat16 autocast; "
-            "batch 4 per process; lr 0.001\n") in res.stderr
-    # args.json records what --amp (default: on for CUDA only) became, for plot_results' labels
-    assert json.loads((out / "args.json").read_text())["amp_dtype"] == "bfloat16"
-    # Emulated bf16 (an AVX2 CPU, as CI's) trained at 2 img/s against 39 in float32: said once.
-    warned = "--amp on this CPU: it has no native bfloat16 (AVX512-BF16 or AMX)"
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert res.stderr.count(warned) == (0 if native else 1), res.stderr[-3000:]
+    return train_multi_gpu_using_launch.get_args_parser()
 
 
 @pytest.mark.parametrize("argv, expected", [
     ([], True), (["--syncBN"], True), (["--no-syncBN"], False), (["--no-sync-bn"], False),
     (["--syncBN", "False"], False), (["--syncBN", "True"], True),
 ])
-def test_sync_bn_flag_parses(argv, expected):
-    assert get_args_parser().parse_args(argv).sync_bn is expected
-
-
-def test_sync_bn_flag_rejects_nonsense(capsys):
-    with pytest.raises(SystemExit) as exc:
-        get_args_parser().parse_args(["--syncBN", "maybe"])
-    assert exc.value.code == 2
-    assert "true/false" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "0"], "--batch_size: must be a whole number of at least 1, not 0"),
-    (["--lr", "nan"], "--lr: must be greater than 0, not nan"),
-    (["--workers", "-1"], "--workers: must be a whole number of at least 0, not -1"),
-    (["--val-rate", "1.5"], "--val-rate: must be above 0 and at most 1 (1 scores every image, "
-                            "with --eval-only), not 1.5"),
-    (["--val-rate", "0"], "--val-rate: must be above 0 and at most 1"),
-    (["--val-rate", "-0.1"], "--val-rate: must be above 0 and at most 1"),
-    (["--val-rate", "a"], "--val-rate: invalid float value: 'a'"),
-    (["--seed", "-1"], "--seed: must be a whole number from 0 to 2**32 - 1 (numpy's seed range), "
-                       "not -1"),
-    (["--seed", str(2**32)], "--seed: must be a whole number from 0 to 2**32 - 1"),
-])
-def test_bad_numbers_are_usage_errors_before_anything_runs(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        get_args_parser().parse_args(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_the_largest_seed_works_on_every_rank():
-    # seed + rank would pass numpy's 2**32 - 1 on rank 1; it wraps around to 0 instead.
-    import numpy as np
-    import train_common
-
-    train_common._seed_everything(2**32 - 1, rank=1)
-    drawn = np.random.rand(), torch.rand(1).item()
-    train_common._seed_everything(0, rank=0)
-    assert drawn == (np.random.rand(), torch.rand(1).item())
-
-
-@pytest.mark.parametrize("flag, sync_layers", [("--syncBN", 20), ("--no-syncBN", 0)])
-def test_sync_bn_really_switches(flag, sync_layers):
-    args = get_args_parser().parse_args(["--model", "resnet18", flag])
-    model = _build_model(args, DistInfo(world_size=2), [f"c{i}" for i in range(5)])
-    kinds = [type(m) for m in model.modules()]
-    assert kinds.count(SyncBatchNormCPU) == sync_layers
-    assert (torch.nn.BatchNorm2d in kinds) == (sync_layers == 0)
+def test_syncBN_flag_parses(argv, expected):
+    assert parser().parse_args(argv).sync_bn is expected
 
 
 def test_template_aliases_parse():
-    args = get_args_parser().parse_args(["--num_classes", "5", "--batch_size", "8",
-                                         "--freeze_layers", "True", "--data_path", "x"])
-    assert (args.num_classes, args.batch_size, args.freeze_layers, args.data_path) == (5, 8, True, "x")
+    args = parser().parse_args(["--num_classes", "5", "--batch_size", "8", "--freeze_layers",
+                                "True", "--data_path", "x", "--dist_url", "env://",
+                                "--world_size", "2", "--local_rank", "1"])
+    assert (args.num_classes, args.batch_size, args.freeze_layers, args.data_path,
+            args.dist_url, args.world_size) == (5, 8, True, "x", "env://", 2)
 
 
-def test_freeze_layers_trains_only_fc():
-    args = get_args_parser().parse_args(["--model", "resnet18", "--freeze-layers"])
-    model = _build_model(args, DistInfo(), [f"c{i}" for i in range(5)])
-    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
-
-
-AGAIN = "run the same command again: it continues from "
-RESUME_AUTO = ("run the same command with --resume auto in place of --resume {flag} to continue "
-               "from the last complete checkpoint in {out} (the same command would {would})")
-
-
-@pytest.mark.parametrize("resume, saved, want", [
-    ("auto", "by this run", AGAIN + "the last complete checkpoint in {out}"),
-    ("auto", "before it", AGAIN + "the last complete checkpoint in {out}"),
-    ("auto", None, AGAIN + "the start"),
-    ("{out}/checkpoint.pth", "by this run", AGAIN + "the last complete checkpoint in {out}"),
-    ("none", None, "run the same command again: it starts over"),
-    # an earlier run's, not yet set aside (the run stopped while scanning its data)
-    ("none", "before it", "run the same command again: it starts over"),
-    ("none", "by this run", RESUME_AUTO.format(flag="none", out="{out}", would="start over")),
-    ("/elsewhere/model_best.pth", None, "run the same command again: it starts from "
-                                        "/elsewhere/model_best.pth again"),
-    ("/elsewhere/model_best.pth", "by this run", RESUME_AUTO.format(
-        flag="/elsewhere/model_best.pth", out="{out}", would="go back to that file")),
+@pytest.mark.parametrize("argv, flag", [
+    (["--batch-size", "0"], "--batch-size"), (["--lr", "nan"], "--lr"),
+    (["--workers", "-1"], "--workers"), (["--epochs", "two"], "--epochs"),
+    (["--val-rate", "-0.1"], "--val-rate"), (["--seed", "-1"], "--seed"),
+    (["--syncBN", "maybe"], "--syncBN"),
 ])
-def test_failure_messages_say_what_a_rerun_does(tmp_path, resume, saved, want):
-    """The spawn launcher promised a resume from checkpoint.pth when no epoch had been saved,
-    and the ranks promised one under --resume none, whose rerun starts over."""
-    import train_multi_gpu_using_spawn as spawn
-    from train_common import rerun_hint
+def test_bad_numbers_are_usage_errors(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and flag in err.splitlines()[-1], err
 
-    out = tmp_path / "run"
-    out.mkdir()
-    started = time.time()
-    if saved:
-        (out / "checkpoint.pth").write_bytes(b"x")
-        if saved == "before it":
-            os.utime(out / "checkpoint.pth", (started - 60, started - 60))
-    args = spawn.get_args_parser().parse_args(["--output-dir", str(out),
-                                               "--resume", resume.format(out=out)])
-    assert rerun_hint(args, started) == want.format(out=out)
+
+@pytest.mark.parametrize("script, expected, absent", [
+    (LAUNCH, ["--syncBN", "--freeze-layers", "--resume"], []),
+    (SPAWN, ["--world-size"], ["--nnodes", "--node-rank"]),  # several machines: torchrun
+])
+def test_help_shows_groups_and_defaults(script, expected, absent, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps by terminal width
+    assert text.startswith("usage: ")
+    for item in ["data:", "model:", "optimisation:", "distributed:", "run:", "(default: 30)",
+                 "(default: resnet34)", "(default: env://)", *expected]:
+        assert item in text, f"{script} --help lacks {item!r}"
+    for item in absent:
+        assert item not in text
+
+
+# ---------------------------------------------------------------- a user's mistakes
+def _text_file(tmp: Path) -> Path:
+    (tmp / "notes.txt").write_text("not a checkpoint\n")
+    return tmp / "notes.txt"
+
+
+def _a_file(tmp: Path) -> Path:
+    (tmp / "file").write_text("")
+    return tmp / "file"
+
+
+USER_ERRORS = {  # case: (extra flags, what the line must name)
+    "missing data path": (lambda t: ["--data-path", str(t / "nope")], lambda t: str(t / "nope")),
+    "output dir under a file": (lambda t: ["--output-dir", str(_a_file(t) / "out")],
+                                lambda t: str(t / "file")),
+    "freeze-layers without weights": (lambda t: ["--freeze-layers"], lambda t: "--weights"),
+    "eval-only without a model": (lambda t: ["--eval-only"], lambda t: "--weights"),
+    "resume from a text file": (lambda t: ["--resume", str(_text_file(t))],
+                                lambda t: str(t / "notes.txt")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USER_ERRORS))
+def test_a_user_error_is_one_line_and_exit_2(case, tiny_data, tmp_path, plain):
+    extra, needle = USER_ERRORS[case]
+    out = tmp_path / "out"
+    res = plain([*flags(tiny_data, out, "--epochs", "1"), *extra(tmp_path)])
+    assert_user_error(res, needle(tmp_path))
+    assert not (out / "checkpoint.pth").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_a_user_error_under_torchrun_stops_every_rank(tmp_path):
+    missing = tmp_path / "nope"
+    res = run(torchrun_cmd(2, LAUNCH, *flags(missing, tmp_path / "out", "--epochs", "1")),
+              timeout=120)
+    text = res.stdout + res.stderr
+    assert res.returncode != 0
+    lines = error_lines(text)
+    assert len(lines) == 1 and str(missing) in lines[0], text[-3000:]  # said once, by rank 0
+    assert "exitcode  : 2" in text, text[-3000:]  # torchrun reports the ranks' own exit code
+    assert f'{LAUNCH}", line' not in text, text[-3000:]  # no rank's traceback
+    assert not (tmp_path / "out" / "checkpoint.pth").exists()

@@ -221,3 +221,46 @@ def test_resnet50_with_resnext_widths_equals_resnext50() -> None:
     assert {k: v.shape for k, v in custom.state_dict().items()} == {
         k: v.shape for k, v in named.state_dict().items()
     }
+
+
+def _bn_buffers(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in net.state_dict().items()
+            if k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+
+
+def test_freeze_backbone_trains_only_fc_and_keeps_batchnorm_statistics() -> None:
+    from multi_train_utils.sync_batchnorm import SyncBatchNormCPU, convert_sync_batchnorm
+
+    torch.manual_seed(0)
+    net = model.resnet18(num_classes=3)
+    _randomize_(net)  # as pretrained: running statistics far from this batch's
+    x = torch.randn(INPUT_SHAPE) * 3 + 1
+    with torch.no_grad():
+        expected = net.eval()(x)
+    before = _bn_buffers(net)
+    unfrozen = model.resnet18(num_classes=3)
+    unfrozen.load_state_dict(net.state_dict())
+    unfrozen.train()(x)  # without freezing, one training forward moves every statistic
+    assert all(not torch.equal(v, before[k]) for k, v in _bn_buffers(unfrozen).items())
+
+    model.freeze_backbone(net)
+    assert {n for n, p in net.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
+    for converted in (False, True):
+        if converted:  # new BatchNorm modules: the hook on the root still finds them
+            net = convert_sync_batchnorm(net, torch.device("cpu"))
+            assert sum(isinstance(m, SyncBatchNormCPU) for m in net.modules()) == 20
+        out = net.train()(x)
+        # The backbone sees fixed statistics: the eval-mode output, and no buffer moved.
+        torch.testing.assert_close(out, expected)
+        after = _bn_buffers(net)
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+        assert net.training and net.fc.training  # only the BatchNorm layers were switched
+        out.sum().backward()
+        assert {n for n, p in net.named_parameters() if p.grad is not None} == {"fc.weight", "fc.bias"}
+        net.zero_grad(set_to_none=True)
+
+
+def test_freeze_backbone_needs_a_classifier() -> None:
+    with pytest.raises(ValueError, match="include_top=True"):
+        model.freeze_backbone(model.resnet18(include_top=False))
