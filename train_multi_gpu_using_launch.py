@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> None:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpus_per_process())  # N processes x all cores would oversubscribe
     torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN pick its fastest kernels
-    ckpt_path = resume_path(args.resume, out)
+    ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
     if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
         run_on_main(claim_output_dir, out)
         if ckpt_path != str(out / "checkpoint.pth"):

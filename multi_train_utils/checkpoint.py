@@ -166,8 +166,11 @@ def claim_output_dir(out: Path) -> None:
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
 
-def resume_path(resume: str, out: Path) -> str | None:
-    """The checkpoint a run continues from: ``auto`` is ``<out>/checkpoint.pth`` if it exists."""
+def resume_path(resume: str, out: Path, eval_weights: bool = False) -> str | None:
+    """The checkpoint a run continues from: ``auto`` is ``<out>/checkpoint.pth`` if it exists.
+    ``eval_weights``: ``--eval-only --weights FILE`` scores that file, not the folder's run."""
+    if eval_weights and resume == "auto":
+        return None
     if resume == "none":
         # A restart by torchrun (--max-restarts) continues what this launch began.
         resume = "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 else "none"
@@ -181,9 +184,10 @@ def rerun_hint(output_dir: str | os.PathLike, resume: str) -> str:
     out = Path(output_dir)
     if not (out / "checkpoint.pth").is_file():
         return "run the same command again to start"
+    last = f"the last complete checkpoint in {out}"
     if resume == "auto":
-        return f"run the same command again: it continues from the last complete checkpoint in {out}"
-    return f"run it again with --resume auto to continue from the last complete checkpoint in {out}"
+        return f"run the same command again: it continues from {last}"
+    return f"run it again with --resume auto to continue from {last}"
 
 
 def move_earlier_run(out: Path) -> None:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -465,8 +466,13 @@ def test_a_rank_waiting_for_peers_that_never_come_stops_at_once_on_ctrl_c(tiny_d
     env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     rank0 = launched([sys.executable, LAUNCH, *flags(tiny_data, tmp_path / "run")], **env)
-    time.sleep(8)  # imports done, waiting for rank 1
-    assert rank0.proc.poll() is None, rank0.output()[-3000:]
+
+    def store_listens() -> bool:  # rank 0 serves the rendezvous: it waits there for rank 1
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", int(env["MASTER_PORT"]))) == 0
+
+    rank0.wait_for(store_listens, "the rendezvous", timeout=120)
+    time.sleep(1)
     started = time.monotonic()
     rank0.proc.send_signal(signal.SIGINT)
     rank0.wait_exit(20)
@@ -519,3 +525,16 @@ def test_eval_only_with_weights_that_do_not_fit_is_one_line(tiny_data, tmp_path,
     res = plain(flags(tiny_data, tmp_path / "run", "--eval-only", "--weights", str(weights)))
     assert_user_error(res, str(weights), "fc.")
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(tiny_data, tmp_path, plain):
+    out = tmp_path / "run"
+    res = plain(flags(tiny_data, out, "--epochs", "2", "--lr", "0.05"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    epoch0, epoch1 = read_metrics(out)
+    assert epoch0["val_acc"] != epoch1["val_acc"]  # else the check below could not tell them apart
+    for weights, record in ((out / "weights" / "model-0.pth", epoch0), (None, epoch1)):
+        extra = ["--weights", str(weights)] if weights else []
+        res = plain(flags(tiny_data, out, "--eval-only", *extra))
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"top-1 accuracy: {record['val_acc']:.4f}" in res.stderr, res.stderr[-2000:]
