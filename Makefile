@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench figures clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmark.py
+
+# docs/how-it-works.md's figures and numbers, from real CPU training runs (minutes on 2 cores).
+figures: $(VENV)/.installed
+	$(PY) docs/make_figures.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,7 +13,9 @@
    training split) with 1, 2, 4 ... processes: DDP with the training script's defaults (SyncBN,
    bucket size), gloo with one thread per rank on CPU, NCCL with one GPU per rank on CUDA, on
    synthetic pre-loaded batches, so it measures compute plus communication, not the disk.
-   Efficiency = img/s(N) / (N x img/s(1)).
+   Efficiency = img/s(N) / (N x img/s(1)). The largest count runs again without any
+   communication (the machine's ceiling), without SyncBN, and with the other comm hook, so the
+   table splits what is lost between the machine, the gradient all-reduce and SyncBN.
 4. Peak memory per rank: each rank process's peak RSS on CPU (``VmHWM``; ``ru_maxrss`` where
    there is no /proc), ``torch.cuda.max_memory_allocated`` on CUDA.
 5. Training with data (one process): ``train_one_epoch`` fed by the training script's loader
@@ -334,7 +336,8 @@ def _synthetic_batches(args: argparse.Namespace, count: int, seed: int, pin: boo
 
 def _quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer,
                            batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                           args: argparse.Namespace, scaler: torch.amp.GradScaler) -> float:
+                           args: argparse.Namespace, scaler: torch.amp.GradScaler,
+                           grad_accum_steps: int = 1) -> float:
     """``train_one_epoch`` with its defaults; its progress (a bar in a terminal, log lines
     elsewhere) goes nowhere."""
     progress_log = logging.getLogger("multi_train_utils.train_eval_utils")
@@ -345,7 +348,8 @@ def _quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer,
             return train_one_epoch(model, optimizer, batches, device, 0,
                                    scaler=scaler if scaler.is_enabled() else None,
                                    amp_dtype=_amp_dtype(args, device),
-                                   channels_last=_channels_last(args, device))
+                                   channels_last=_channels_last(args, device),
+                                   grad_accum_steps=grad_accum_steps)
     finally:
         progress_log.setLevel(level)
 
@@ -505,7 +509,7 @@ def bench_with_data(args: argparse.Namespace, device: torch.device, paths: Seque
     """
     from my_dataset import default_workers
 
-    workers = default_workers(args.batch_size) if args.workers is None else args.workers
+    workers = default_workers(args.batch_size, device) if args.workers is None else args.workers
     burst = max(1, workers)  # batches that arrive together (see _SteadyWindow)
     skip = burst * -(-args.warmup_steps // burst)
     steps = burst * -(-args.steps // burst)
@@ -602,10 +606,12 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
                     result_dir: str, variant: str = "ddp", comm_hook: str = "none") -> None:
     """One rank: the training script's model set-up, then timed ``train_one_epoch`` calls.
 
-    ``variant`` "ddp" is the training script's set-up with ``comm_hook``; "no_comm" trains the
-    single-process model (no DDP, no SyncBN) in every process at once, so no gradient crosses
-    between them: the process group only lines up the repeats. Its efficiency is the most the
-    hardware allows N processes (shared cores, caches and memory bandwidth), whatever DDP does.
+    ``variant`` "ddp" is the training script's set-up with ``comm_hook``; "no_sync_bn" the same
+    without SyncBN (its all-reduce per BatchNorm layer, forward and backward, apart from DDP's
+    gradient all-reduce); "no_comm" trains the single-process model (no DDP, no SyncBN) in every
+    process at once, so no gradient crosses between them: the process group only lines up the
+    repeats. Its efficiency is the most the hardware allows N processes (shared cores, caches
+    and memory bandwidth), whatever DDP does. ``--grad-accum-steps`` applies to every variant.
     """
     if nprocs > 1:  # what torchrun sets; the baseline runs as plain python does: no group
         os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
@@ -621,8 +627,10 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
             torch.backends.cudnn.benchmark = True
             torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(args.seed)
+        if variant == "no_sync_bn":
+            args = argparse.Namespace(**{**vars(args), "sync_bn": False})
         model, optimizer, scaler = _build(args, device,
-                                          info.world_size if variant == "ddp" else 1, comm_hook)
+                                          1 if variant == "no_comm" else info.world_size, comm_hook)
         # Each rank its own data, as DistributedSampler gives it; same steps on every rank.
         batches = _synthetic_batches(args, args.steps, args.seed + info.rank,
                                      pin=device.type == "cuda")
@@ -633,7 +641,8 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
             _barrier(info)
             start = time.perf_counter()
             # Ends with an all-reduce of the loss (a host sync), so every rank is done.
-            _quiet_train_one_epoch(model, optimizer, batches, device, args, scaler)
+            _quiet_train_one_epoch(model, optimizer, batches, device, args, scaler,
+                                   args.grad_accum_steps)
             seconds.append(time.perf_counter() - start)
         result = {"rank": info.rank, "seconds": seconds, "backend": info.backend,
                   "device": str(device), "peak_host_rss_mib": _peak_host_rss_mib(),
@@ -656,8 +665,9 @@ def _scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port
 def _run_scaling(args: argparse.Namespace, device: torch.device, nprocs: int, variant: str,
                  comm_hook: str) -> dict[str, Any]:
     """One measurement: ``nprocs`` spawned ranks of ``_scaling_worker``; figures of the run."""
+    ddp = variant != "no_comm" and nprocs > 1
     log.info("scaling: %d process(es), %s%s", nprocs, variant.replace("_", " "),
-             f", --comm-hook {comm_hook}" if variant == "ddp" and nprocs > 1 else "")
+             f", --comm-hook {comm_hook}" if ddp else "")
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as result_dir:
         mp.start_processes(_scaling_worker,
                            args=(args, nprocs, find_free_port(), result_dir, variant, comm_hook),
@@ -670,8 +680,8 @@ def _run_scaling(args: argparse.Namespace, device: torch.device, nprocs: int, va
     img_per_s = images / best
     cuda = device.type == "cuda"
     entry = {
-        "processes": nprocs, "variant": variant,
-        "comm_hook": comm_hook if variant == "ddp" and nprocs > 1 else None,
+        "processes": nprocs, "variant": variant, "comm_hook": comm_hook if ddp else None,
+        "sync_bn": args.sync_bn and variant == "ddp" and nprocs > 1,
         "backend": ranks[0]["backend"] or "none (1 process)",
         "img_per_s": img_per_s, "median_img_per_s": images / statistics.median(per_repeat),
         "measured_seconds": best, "measured_seconds_runs": per_repeat,
@@ -698,10 +708,11 @@ def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequenc
     tutorial's "time per epoch" on a fixed dataset.
 
     With ``--explain-scaling`` (default), the largest process count is also run (a) without
-    any gradient communication, the hardware's ceiling, and (b) with bf16 gradient compression
-    (without, if ``--comm-hook`` asked for it); the uncompressed run also times the gradient
-    all-reduce alone. Together they split the efficiency lost into what the machine loses by
-    running N processes at once and what DDP's all-reduce costs on top.
+    any communication, the hardware's ceiling, (b) with DDP but without SyncBN (where
+    ``--sync-bn``), and (c) with bf16 gradient compression (without, if ``--comm-hook`` asked
+    for it); the uncompressed run also times the gradient all-reduce alone. Together they split
+    the efficiency lost into what the machine loses by running N processes at once, what the
+    gradient all-reduce costs on top, and what SyncBN costs on top of that.
     """
     results = {str(n): _run_scaling(args, device, n, "ddp", args.comm_hook) for n in procs}
     base = results[str(procs[0])]["img_per_s"] / procs[0]
@@ -709,6 +720,9 @@ def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequenc
     explain: dict[str, Any] = {}
     if args.explain_scaling and largest > 1:
         explain["no_comm"] = _run_scaling(args, device, largest, "no_comm", "none")
+        if args.sync_bn:
+            explain["no_sync_bn"] = _run_scaling(args, device, largest, "no_sync_bn",
+                                                 args.comm_hook)
         # bf16 and fp16 move the same bytes: one of them tells what halving them is worth.
         other = "bf16" if args.comm_hook == "none" else "none"
         explain[f"comm_hook_{other}"] = _run_scaling(args, device, largest, "ddp", other)
@@ -718,11 +732,16 @@ def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequenc
         step_ms = args.batch_size / base * 1e3  # one process, one step
         ceiling = explain["no_comm"]["efficiency"]
         top = results[str(largest)]
+        no_sync_bn = explain.get("no_sync_bn", top)["efficiency"]
         explain["summary"] = {
             "processes": largest, "step_ms_1_process": step_ms,
             "ceiling_efficiency": ceiling, "ddp_efficiency": top["efficiency"],
-            # The share of the ceiling's throughput that DDP's communication costs.
+            "no_sync_bn_efficiency": no_sync_bn if "no_sync_bn" in explain else None,
+            # Shares of the ceiling's throughput lost: all communication, the gradient
+            # all-reduce alone (DDP without SyncBN), and SyncBN on top of it.
             "communication_loss": 1 - top["efficiency"] / ceiling,
+            "gradient_loss": 1 - no_sync_bn / ceiling,
+            "sync_bn_loss": (no_sync_bn - top["efficiency"]) / ceiling,
             "all_reduce_ms": next((e["all_reduce_ms"] for e in [top, *explain.values()]
                                    if "all_reduce_ms" in e), None),
         }
@@ -731,6 +750,7 @@ def bench_scaling(args: argparse.Namespace, device: torch.device, procs: Sequenc
             "batch_size_per_rank": args.batch_size, "steps": args.steps,
             "epoch_images": args.epoch_images, "sync_bn": args.sync_bn,
             "bucket_cap_mb": args.bucket_cap_mb, "comm_hook": args.comm_hook,
+            "grad_accum_steps": args.grad_accum_steps,
             "memory_kind": ("torch.cuda.max_memory_allocated" if device.type == "cuda"
                             else "peak RSS"),
             "results": results, "explain": explain}
@@ -812,7 +832,9 @@ def format_table(report: dict[str, Any]) -> str:
     mem = "peak RSS" if s["memory_kind"] == "peak RSS" else "peak CUDA allocated"
     lines += ["",
               f"3./4. Scaling (DDP, {backend}, {per_rank}, batch {s['batch_size_per_rank']} per "
-              f"rank, SyncBN {'on' if s['sync_bn'] else 'off'}, --comm-hook {s['comm_hook']}; "
+              f"rank, SyncBN {'on' if s['sync_bn'] else 'off'}, --comm-hook {s['comm_hook']}"
+              + (f", --grad-accum-steps {s['grad_accum_steps']}" if s["grad_accum_steps"] > 1
+                 else "") + "; "
               f"epoch = {s['epoch_images']} "
               f"images; best of {cfg['repeats']})",
               f"   processes     img/s   s/epoch   efficiency   {mem} per rank (MiB)"]
@@ -822,6 +844,7 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{entry['epoch_seconds']:9.1f} {entry['efficiency']:12.3f}   {memory}")
     ex = s.get("explain") or {}
     for key, label in (("no_comm", "no communication: no DDP, no SyncBN (ceiling)"),
+                       ("no_sync_bn", "DDP without SyncBN (--no-sync-bn)"),
                        ("comm_hook_bf16", "--comm-hook bf16"),
                        ("comm_hook_none", "--comm-hook none")):
         if key in ex:
@@ -832,8 +855,11 @@ def format_table(report: dict[str, Any]) -> str:
     if "summary" in ex:
         sm = ex["summary"]
         lines.append(f"   ceiling {sm['ceiling_efficiency']:.2f}: what {sm['processes']} processes "
-                     "sharing this machine reach; DDP's communication costs "
+                     "sharing this machine reach; communication costs "
                      f"{sm['communication_loss']:.0%} of it")
+        if sm["no_sync_bn_efficiency"] is not None:
+            lines.append(f"   of which the gradient all-reduce {sm['gradient_loss']:.0%}, SyncBN's "
+                         f"all-reduce per BatchNorm layer {sm['sync_bn_loss']:.0%}")
         if sm["all_reduce_ms"]:
             ar = sm["all_reduce_ms"]
             lines.append(f"   all-reduce of the {ar['numel'] / 1e6:.1f}M-value gradient alone: "
@@ -893,8 +919,9 @@ def write_chart(report: dict[str, Any], path: Path) -> Path:
     names = [str(e["processes"]) for e in entries]
     colors = ["#1f77b4"] * len(entries)
     ex = s.get("explain") or {}
-    for key, label, color in (("comm_hook_bf16", "bf16 comm", "#9ecae1"),
-                              ("comm_hook_none", "fp32 comm", "#9ecae1"),
+    for key, label, color in (("no_sync_bn", "no\nSyncBN", "#6baed6"),
+                              ("comm_hook_bf16", "bf16\ncomm", "#9ecae1"),
+                              ("comm_hook_none", "fp32\ncomm", "#9ecae1"),
                               ("no_comm", "no comm\n(ceiling)", "#cccccc")):
         if key in ex:
             entries.append(ex[key])
@@ -952,6 +979,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         ("repeats", args.repeats), ("pipeline-images", args.pipeline_images),
                         ("threads", args.threads), ("max-procs", max_procs),
                         ("warmup-steps", args.warmup_steps),
+                        ("grad-accum-steps", args.grad_accum_steps),
                         ("img-size", args.img_size), ("pipeline-size", args.pipeline_size),
                         ("epoch-images", args.epoch_images), ("num-classes", args.num_classes)):
         if value < 1:
@@ -1040,7 +1068,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="also time decode_jpeg(device='cuda') (default: on with CUDA)")
     parser.add_argument("--workers", type=int, default=None,
                         help="DataLoader workers of the with-data stage "
-                             "(default: the training script's, min(cpus per process, batch size, 8))")
+                             "(default: the training script's: CPUs per process - 1 on CUDA, "
+                             "at most 8 on CPU, at most the batch size)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="untimed steps first (at least 1: they start the loader workers "
@@ -1069,9 +1098,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="DDP gradient bucket size")
     parser.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
                         help="DDP gradient compression, as the training flag")
+    parser.add_argument("--grad-accum-steps", type=int, default=1,
+                        help="batches per gradient all-reduce in the scaling runs, as the "
+                             "training flag")
     parser.add_argument("--explain-scaling", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the largest process count without gradient "
-                             "communication (the hardware's ceiling) and with the other "
+                        help="also run the largest process count without communication "
+                             "(the hardware's ceiling), without SyncBN and with the other "
                              "comm hooks, and time the all-reduce alone")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the generated photos and the synthetic batches")

@@ -11,7 +11,7 @@
     python train_multi_gpu_using_launch.py ...                                # one process
 
 Every process runs main() on its own share of the data; DDP averages the gradients, so all hold
-the same weights after every step. train_multi_gpu_using_spawn.py starts them and runs main().
+the same weights after each step (fsdp: 1/N of them each). The spawn launcher runs main() too.
 """
 
 import argparse
@@ -28,11 +28,12 @@ from torchvision.utils import make_grid
 from model import MODELS, freeze_backbone, get_model
 from multi_train_utils.checkpoint import (claim_output_dir, load_checkpoint, load_pretrained,
                                           move_earlier_run, rerun_hint, restore, resume_path,
-                                          save_epoch, to_cpu, write_metrics)
+                                          save_epoch, write_metrics)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
                                                  cleanup, cpus_per_process, init_distributed_mode,
                                                  is_main_process, register_comm_hook, run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, signals_deferred
+from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (evaluate, format_report, resolve_amp_dtype,
                                                train_one_epoch)
@@ -83,7 +84,7 @@ def main(args: argparse.Namespace) -> None:
     val_sampler = DistributedSampler(val_set, info.world_size, info.rank, shuffle=False)
     # drop_last: every rank takes the same number of steps, or DDP would wait for a missing one.
     train_batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=True)
-    workers = args.workers if args.workers is not None else default_workers(args.batch_size)
+    workers = default_workers(args.batch_size, device) if args.workers is None else args.workers
     train_loader = DataLoader(train_set, batch_sampler=train_batch_sampler,
                               **loader_kwargs(workers, device))
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
@@ -92,8 +93,8 @@ def main(args: argparse.Namespace) -> None:
         raise ConfigError(f"{len(train_set)} training images make no batch of {args.batch_size} "
                           f"for each of {info.world_size} process(es); lower --batch-size.")
 
-    # 3. Model. DDP copies rank 0's weights to every rank when it wraps the model, so only rank 0
-    # reads --weights. SyncBatchNorm computes BatchNorm statistics over the global batch.
+    # 3. Model. DDP copies rank 0's weights to every rank when it wraps the model (shard_model
+    # too), so only rank 0 reads --weights. SyncBatchNorm: BatchNorm over the global batch.
     model = get_model(args.model, num_classes=len(classes))
     if args.weights and ckpt_path is None:
         run_on_main(load_pretrained, model, args.weights, strict=args.eval_only)
@@ -103,8 +104,11 @@ def main(args: argparse.Namespace) -> None:
         model = convert_sync_batchnorm(model, device)  # torch's on CUDA, ours on CPU
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
     model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    amp_dtype = resolve_amp_dtype(args.amp, device)
     model_without_ddp = model  # what is saved: no "module." prefix in the files
-    if info.distributed:
+    if info.world_size > 1 and args.strategy == "fsdp":  # each keeps 1/N, gathers per stage
+        model = shard_model(model, mixed_precision=amp_dtype)  # in place: still model_without_ddp
+    elif info.distributed:  # each rank keeps all, all-reduces the gradients
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
@@ -114,7 +118,6 @@ def main(args: argparse.Namespace) -> None:
 
     # 4. Optimizer and schedule. Linear scaling (Goyal et al. 2017, arXiv:1706.02677): N
     # processes average N times as many images per step, so the lr grows N times.
-    amp_dtype = resolve_amp_dtype(args.amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
     lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
@@ -176,16 +179,11 @@ def main(args: argparse.Namespace) -> None:
             best_acc, best_loss = result.top1, result.loss
         log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
                  "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record))
-        state = None
-        if info.is_main:
-            state = {"model": to_cpu(model_without_ddp.state_dict()),
-                     "optimizer": to_cpu(optimizer.state_dict()), "epoch": epoch,
-                     "best_acc": best_acc, "best_loss": best_loss, "classes": classes,
-                     "args": run_args(args, info, images_per_step), "metrics": history}
-            if scaler.is_enabled():
-                state["scaler"] = scaler.state_dict()
+        state = {"epoch": epoch, "best_acc": best_acc, "best_loss": best_loss, "classes": classes,
+                 "args": run_args(args, info, images_per_step), "metrics": history}
         with signals_deferred():  # a stop signal waits until the epoch is on disk
-            save_epoch(out, state, record, is_best, args.keep_last)
+            save_epoch(out, model_without_ddp, optimizer, scaler, state, record, is_best,
+                       args.keep_last)  # every rank: FSDP gathers the whole model to rank 0
         if writer:
             for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
                 writer.add_scalar(tag, record[tag], epoch)
@@ -229,6 +227,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.world_size is not None and args.world_size != world_size:
         raise ConfigError(f"--world-size {args.world_size}, but the launcher started "
                           f"{world_size} process(es) (torchrun --nproc_per_node, srun -n).")
+    check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook)
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -244,7 +243,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
     group.add_argument("--img-size", type=count, default=224, help="training crop size")
     group.add_argument("--num-classes", "--num_classes", type=count, help="the folders decide")
-    group.add_argument("--workers", type=number(int, 0), help="per process (min(CPUs, batch, 8))")
+    group.add_argument("--workers", type=number(int, 0), help="per process (GPU: CPUs-1, CPU: <=8)")
     group.add_argument("--verify-images", action=BoolFlag, default=True,
                        help="check every image's header before training")
     group = parser.add_argument_group("model")
@@ -273,6 +272,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
                        help="all-reduce gradients in 16 bits (half the bytes, rounded)")
     group = parser.add_argument_group("distributed")
+    group.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="fsdp: each holds 1/N")
     group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                        help="auto: CUDA if available (NCCL), else CPU (gloo)")
     group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")

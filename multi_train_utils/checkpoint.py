@@ -4,6 +4,8 @@ A run folder holds ``checkpoint.pth`` (everything to continue: model, optimizer,
 the run's flags and classes), ``model_best.pth`` (the same, of the best epoch),
 ``weights/model-N.pth`` (bare state dicts, loadable by torchvision) and ``metrics.jsonl``.
 ``checkpoint.pth`` is written last in each epoch, so it always marks an epoch that is complete.
+Model and optimizer state are whole tensors keyed by parameter name under DDP and FSDP alike
+(``torch.distributed.checkpoint.state_dict``), so a run resumes under either, at any world size.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .distributed_utils import all_gather_object, all_ranks_ok
+from .distributed_utils import all_gather_object, all_ranks_ok, is_main_process
 from .guard import UserError
 
 log = logging.getLogger("train")
@@ -43,17 +45,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     return getattr(model, "_orig_mod", model)
-
-
-def to_cpu(state: Any) -> Any:
-    """``state`` with every tensor detached on the CPU: a file saved from GPU 3 loads anywhere."""
-    if torch.is_tensor(state):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return type(state)((key, to_cpu(value)) for key, value in state.items())
-    if isinstance(state, (list, tuple)):
-        return type(state)(to_cpu(value) for value in state)
-    return state
 
 
 def save_atomic(obj: Any, path: str | os.PathLike) -> None:
@@ -233,6 +224,35 @@ def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:
     return ckpt
 
 
+def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model's and optimizer's state dicts as whole tensors keyed by parameter name, on the
+    CPU of rank 0 (the others get ``{}``): the same under DDP and FSDP, at any world size. Every
+    rank must call it (FSDP gathers the shards). On a CPU run the tensors are the live ones."""
+    # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    model, options = unwrap(model), StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+    """Inverse of :func:`whole_state`; every rank passes the whole dicts (FSDP keeps its shard).
+    Optimizer state keyed by position (files from before names) loads as it was saved."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, options = unwrap(model), StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=options)
+    if any(isinstance(key, int) for key in optimizer_state["state"]):
+        optimizer.load_state_dict(optimizer_state)
+    else:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
 def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
             images_per_step: int, rank: int) -> tuple[int, float, float, list[dict]]:
@@ -243,10 +263,9 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     cosine. If the images per optimizer step changed (processes x batch x accumulation), the
     lr is scaled by the same factor (linear scaling, Goyal et al. 2017, arXiv:1706.02677).
     """
-    unwrap(model).load_state_dict(ckpt["model"])
     try:
-        optimizer.load_state_dict(ckpt["optimizer"])
-    except ValueError as exc:  # other trainable parameters (--freeze-layers)
+        load_whole_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+    except (ValueError, KeyError) as exc:  # other trainable parameters (--freeze-layers)
         raise CheckpointError(f"the optimizer state of the checkpoint does not fit this run "
                               f"({exc}); use the flags it was trained with.") from None
     if "scaler" in ckpt and scaler.is_enabled():
@@ -273,14 +292,19 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     return start, ckpt.get("best_acc", 0.0), ckpt.get("best_loss", math.inf), history
 
 
-def save_epoch(out: Path, state: dict[str, Any] | None, record: dict[str, Any], is_best: bool,
-               keep_last: int = 0) -> None:
-    """Every rank calls it (the RNG states are gathered); rank 0 passes ``state`` and writes the
+def save_epoch(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler, state: dict[str, Any], record: dict[str, Any],
+               is_best: bool, keep_last: int = 0) -> None:
+    """Every rank calls it (FSDP gathers the shards, and the RNG states are gathered); rank 0
+    adds the whole model and optimizer state to ``state`` (epoch, metrics, ...) and writes the
     epoch's weights, best model, checkpoint (last: it marks the epoch done) and metrics line."""
+    weights, optimizer_state = whole_state(model, optimizer)
     rng_states = all_gather_object(capture_rng_state())
-    if state is None:
+    if not is_main_process():
         return
-    state["rng_states"] = rng_states
+    state = {"model": weights, "optimizer": optimizer_state, **state, "rng_states": rng_states}
+    if scaler.is_enabled():
+        state["scaler"] = scaler.state_dict()
     epoch = state["epoch"]
     save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
     if is_best:

@@ -9,13 +9,13 @@ Call both on every rank: they end in collectives. Neither syncs the host each st
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import numbers
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from .distributed_utils import get_world_size, is_main_process, reduce_value
+from .strategy import gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,42 @@ def _check_probabilities(labels: torch.Tensor) -> None:
                          "BCEWithLogitsLoss.")
 
 
+def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
+    """``batches`` in order, the tensors of each (a tuple or list) moved to ``device``.
+
+    On CUDA the next batch is requested from the loader and its copy started on a side stream
+    before this one is handed out, so the copy overlaps this step's compute (it takes a pinned
+    batch, ``pin_memory=True``, for the copy to be asynchronous). Elsewhere the batches pass
+    through as they come.
+    """
+    if device.type != "cuda":
+        yield from batches
+        return
+    side, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def start_copy(batch: Any) -> Any:
+        if not isinstance(batch, (tuple, list)):
+            return batch  # _unpack says what it takes
+        with torch.cuda.stream(side):
+            moved = [x.to(device, non_blocking=True) if torch.is_tensor(x) else x for x in batch]
+        for x in moved:
+            if torch.is_tensor(x):  # made on the side stream, used on compute's: the caching
+                x.record_stream(compute)  # allocator must not reuse it before compute is done
+        return type(batch)(moved)
+
+    loader = iter(batches)
+    try:
+        ahead = start_copy(next(loader))
+    except StopIteration:
+        return
+    for batch in loader:
+        compute.wait_stream(side)  # queued before the next copy starts: waits for `ahead` alone
+        ready, ahead = ahead, start_copy(batch)
+        yield ready
+    compute.wait_stream(side)
+    yield ahead
+
+
 def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                     device: torch.device, epoch: int, *,
                     scaler: torch.amp.GradScaler | None = None,
@@ -121,7 +158,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
 
     The model maps ``(N, ...)`` to logits ``(N, C)``. ``grad_accum_steps`` K: the optimizer
     steps every K batches (and after the last) on their mean gradient; DDP skips its all-reduce
-    on the other K-1 (``no_sync``). Progress: tqdm on rank 0 in a terminal, else (SLURM, nohup)
+    on the other K-1 (``gradient_sync``: DDP's ``no_sync`` or FSDP's
+    ``set_requires_gradient_sync``). Progress: tqdm on rank 0 in a terminal, else (SLURM, nohup)
     a log line every ``print_freq`` steps. A non-finite loss raises on every rank."""
     for name, value in (("grad_accum_steps", grad_accum_steps), ("print_freq", print_freq)):
         if not (isinstance(value, numbers.Integral) and value >= 1):
@@ -137,8 +175,9 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     mean_loss = float("nan")
     optimizer.zero_grad(set_to_none=True)
     bar = is_main_process() and sys.stdout.isatty()
-    progress = tqdm(data_loader, file=sys.stdout, disable=not bar, desc=f"[train epoch {epoch}]",
-                    dynamic_ncols=True)
+    # On CUDA the next batch is copied while this one trains.
+    progress = tqdm(prefetch_to_device(data_loader, device), total=steps, file=sys.stdout,
+                    disable=not bar, desc=f"[train epoch {epoch}]", dynamic_ncols=True)
     start, seen = time.perf_counter(), 0
     for step, batch in enumerate(progress):
         images, labels = _unpack(batch, "train_one_epoch")
@@ -151,8 +190,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         n_valid = (torch.full((), labels.shape[0], device=device)  # made there: no copy
                    if labels.is_floating_point() else (labels != IGNORE_INDEX).sum())
         last_micro = (step + 1) % grad_accum_steps == 0 or step + 1 == steps
-        no_sync = not last_micro and hasattr(model, "no_sync")
-        with model.no_sync() if no_sync else contextlib.nullcontext():
+        with gradient_sync(model, enabled=last_micro):  # DDP's no_sync, or FSDP's equivalent
             with _autocast(device, amp_dtype):
                 output = model(images)
             # Sum / count == mean over valid samples, yet finite for a batch of unreadable ones.

@@ -100,11 +100,16 @@ def test_json_holds_every_figure(bench):
         results["2"]["img_per_s"] / (2 * results["1"]["img_per_s"]))
     assert results["1"]["backend"].startswith("none") and results["2"]["backend"] == "gloo"
     assert scaling["memory_kind"] == "peak RSS" and scaling["comm_hook"] == "none"
-    # The largest count again: no gradient communication (the ceiling) and bf16 compression.
+    assert scaling["sync_bn"] and scaling["grad_accum_steps"] == 1
+    assert results["2"]["sync_bn"] and not results["1"]["sync_bn"]
+    # The largest count again: no communication (the ceiling), DDP without SyncBN, and bf16
+    # compression, so the table can say what the gradient all-reduce and SyncBN each cost.
     explain = scaling["explain"]
     assert (explain["no_comm"]["variant"], explain["no_comm"]["comm_hook"]) == ("no_comm", None)
-    assert explain["comm_hook_bf16"]["comm_hook"] == "bf16"
-    for entry in (explain["no_comm"], explain["comm_hook_bf16"]):
+    assert (explain["no_sync_bn"]["variant"], explain["no_sync_bn"]["comm_hook"],
+            explain["no_sync_bn"]["sync_bn"]) == ("no_sync_bn", "none", False)
+    assert explain["comm_hook_bf16"]["comm_hook"] == "bf16" and explain["comm_hook_bf16"]["sync_bn"]
+    for entry in (explain["no_comm"], explain["no_sync_bn"], explain["comm_hook_bf16"]):
         assert entry["processes"] == 2 and entry["backend"] == "gloo"
         assert entry["efficiency"] == pytest.approx(
             entry["img_per_s"] / (2 * results["1"]["img_per_s"]))
@@ -112,6 +117,12 @@ def test_json_holds_every_figure(bench):
     assert summary["ceiling_efficiency"] == explain["no_comm"]["efficiency"]
     assert summary["communication_loss"] == pytest.approx(
         1 - results["2"]["efficiency"] / explain["no_comm"]["efficiency"])
+    # What is lost splits into the gradient all-reduce (DDP without SyncBN) and SyncBN.
+    assert summary["no_sync_bn_efficiency"] == explain["no_sync_bn"]["efficiency"]
+    assert summary["gradient_loss"] == pytest.approx(
+        1 - explain["no_sync_bn"]["efficiency"] / explain["no_comm"]["efficiency"])
+    assert summary["gradient_loss"] + summary["sync_bn_loss"] == pytest.approx(
+        summary["communication_loss"])
     assert summary["step_ms_1_process"] == pytest.approx(2 / results["1"]["img_per_s"] * 1e3)
     all_reduce = summary["all_reduce_ms"]
     assert all_reduce == results["2"]["all_reduce_ms"]
@@ -125,7 +136,7 @@ def test_json_holds_every_figure(bench):
     data = report["with_data"]
     for key in ("loader_img_per_s", "with_data_img_per_s", "compute_img_per_s", "data_efficiency"):
         assert _positive(data[key]), (key, data[key])
-    assert data["workers"] == default_workers(2)  # the training script's, for batch 2
+    assert data["workers"] == default_workers(2, torch.device("cpu"))  # the script's, batch 2
     # Steady state: --steps batches after --warmup-steps, each rounded up to whole rounds of
     # the workers (they deliver one batch each, together).
     burst = max(1, data["workers"])
@@ -167,6 +178,7 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     assert len(list((tmp / "photos").glob("*.jpg"))) == 4
     for heading in ("Input pipeline", "Training loop", "Scaling", "speed-up", "efficiency",
                     "no communication: no DDP, no SyncBN (ceiling)", "--comm-hook bf16",
+                    "DDP without SyncBN (--no-sync-bn)", "of which the gradient all-reduce",
                     "all-reduce of the", "Training with data", "train_one_epoch fed by the loader",
                     "limited by "):
         assert heading in proc.stdout, heading
@@ -180,6 +192,7 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     ("--steps", "0", "--steps must be at least 1, not 0."),
     ("--workers", "-1", "--workers must be 0 or more, not -1."),
     ("--warmup-steps", "0", "--warmup-steps must be at least 1, not 0."),
+    ("--grad-accum-steps", "0", "--grad-accum-steps must be at least 1, not 0."),
 ])
 def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
     import benchmark

@@ -1,0 +1,291 @@
+"""``--strategy fsdp`` (FSDP2 ``fully_shard``) takes the steps DDP takes, on 1/N of the memory.
+
+- equivalence: 2 ranks x B under FSDP against DDP from the same weights: the loss of every step,
+  the final weights, momentum buffers and evaluate() agree to float32 tolerance, with per-rank
+  BatchNorm, with SyncBatchNorm and clipping, and with gradient accumulation 2 and clipping;
+- memory: each rank holds at most 1/N of the parameters, gradients and optimizer state (plus
+  one residual block's slack), measured from its shards; non-final micro-batches skip the
+  reduction; ``--amp`` computes in bf16 and keeps float32 shards;
+- checkpoints: a restarted FSDP run resumes from its own checkpoint and ends where DDP's
+  reference run ends; a DDP checkpoint continues under FSDP and an FSDP one under DDP alike, and
+  at another world size; the weights load into torchvision strictly;
+- Ctrl-C stops an FSDP run as it stops a DDP one; flags FSDP cannot honour are one line.
+
+``python tests/test_fsdp.py`` prints the memory table of docs/strategies.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from conftest import (LAUNCH, SPAWN, ProcessTree, assert_user_error, clone_run, epochs_done,
+                      flags, load_ckpt, proc_env, read_metrics, run, torchrun_cmd)
+from dist_helpers import run_ranks
+from model import get_model
+from multi_train_utils.checkpoint import whole_state
+from multi_train_utils.strategy import gradient_sync, local_bytes, shard_model
+from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+
+CPU = torch.device("cpu")
+BATCH, STEPS, CLASSES = 4, 3, 5
+
+
+def _data(n: int, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, 32, 32, generator=gen),
+                         torch.randint(0, CLASSES, (n,), generator=gen))
+
+
+def _loader(data: TensorDataset, rank: int, world: int) -> DataLoader:
+    return DataLoader(data, batch_size=BATCH,
+                      sampler=DistributedSampler(data, world, rank, shuffle=False))
+
+
+def _train(rank: int, world: int, init: str, strategy: str, sync_bn: bool, accum: int,
+           clip: float | None) -> dict:
+    """STEPS optimizer steps of resnet18 (32 px) as the launcher takes them: the loss of each
+    step, then evaluate(), and rank 0's full model and optimizer state."""
+    model = get_model("resnet18", num_classes=CLASSES)
+    model.load_state_dict(torch.load(init, weights_only=True))  # the same for every run
+    if sync_bn:
+        model = convert_sync_batchnorm(model, CPU)
+    bare = model
+    model = shard_model(model) if strategy == "fsdp" else DDP(model)
+    optimizer = torch.optim.SGD(bare.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-3)
+    per_step = world * BATCH * accum
+    data = _data(per_step * STEPS)
+    losses = []
+    for step in range(STEPS):  # one optimizer step per call: its loss, reduced over the ranks
+        part = TensorDataset(*data[step * per_step:(step + 1) * per_step])
+        losses.append(train_one_epoch(model, optimizer, _loader(part, rank, world), CPU, step,
+                                      grad_accum_steps=accum, clip_grad_norm=clip))
+    result = evaluate(model, _loader(_data(10, seed=1), rank, world), CPU)
+    weights, optimizer_state = whole_state(bare, optimizer)
+    return dict(losses=losses, eval=(int(result), result.loss), model=weights,
+                optimizer=optimizer_state)
+
+
+def _equivalence_worker(rank: int, world: int, init: str, sync_bn: bool, accum: int,
+                        clip: float | None) -> dict:
+    return {strategy: _train(rank, world, init, strategy, sync_bn, accum, clip)
+            for strategy in ("ddp", "fsdp")}
+
+
+@pytest.fixture(scope="module")
+def init_weights(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("init") / "resnet18.pth"
+    torch.manual_seed(0)
+    torch.save(get_model("resnet18", num_classes=CLASSES).state_dict(), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("sync_bn, accum, clip", [(False, 1, None), (True, 1, 0.5),
+                                                  (False, 2, 0.5)],
+                         ids=["batchnorm", "syncbn-clip", "accum2-clip"])
+def test_fsdp_takes_the_steps_ddp_takes(sync_bn, accum, clip, init_weights, tmp_path):
+    ranks = run_ranks(_equivalence_worker, 2, tmp_path, init_weights, sync_bn, accum, clip)
+    for rank, got in enumerate(ranks):
+        ddp, fsdp = got["ddp"], got["fsdp"]
+        # float32 tolerance: a clipped step's norm sums the squares in another order
+        torch.testing.assert_close(fsdp["losses"], ddp["losses"], rtol=1e-5, atol=1e-5)
+        # Every rank scores its half of the val set with rank 0's BatchNorm statistics, as DDP.
+        assert fsdp["eval"][0] == ddp["eval"][0]
+        assert fsdp["eval"][1] == pytest.approx(ddp["eval"][1], rel=1e-5, abs=1e-6)
+    ddp, fsdp = ranks[0]["ddp"], ranks[0]["fsdp"]
+    init = torch.load(init_weights, weights_only=True)
+    assert not torch.allclose(ddp["model"]["conv1.weight"], init["conv1.weight"])  # it trained
+    assert fsdp["model"].keys() == init.keys()  # whole tensors under torchvision's names
+    torch.testing.assert_close(fsdp["model"], ddp["model"])
+    torch.testing.assert_close(fsdp["optimizer"]["state"], ddp["optimizer"]["state"])
+    assert ranks[1]["fsdp"]["model"] == {}  # gathered to rank 0 alone
+
+
+# ---------------------------------------------------------------- memory, sync, amp
+def _memory_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = get_model("resnet18", num_classes=CLASSES)
+    whole = local_bytes(model)["parameters"]
+    block = local_bytes(model.layer4[0])["parameters"]  # the largest block
+    rank0 = copy.deepcopy(model.state_dict())
+    if rank == 1:  # as if only rank 0 had read --weights: sharding starts from rank 0's
+        with torch.no_grad():
+            model.fc.weight.add_(1.0)
+    shard_model(model)
+    gathered = whole_state(model, torch.optim.SGD(model.parameters()))[0]  # live: compare now
+    from_rank0 = rank == 1 or all(torch.equal(gathered[k], v) for k, v in rank0.items())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(2 * BATCH)[:]
+    with gradient_sync(model, enabled=False):  # a non-final micro-batch: nothing is reduced
+        nn.functional.cross_entropy(model(x[:BATCH]), y[:BATCH]).backward()
+    skipped = all(p.grad is None for p in model.parameters())
+    with gradient_sync(model, enabled=True):
+        nn.functional.cross_entropy(model(x[BATCH:]), y[BATCH:]).backward()
+    optimizer.step()
+    held = local_bytes(model, optimizer)
+
+    torch.manual_seed(0)
+    amp = shard_model(get_model("resnet18", num_classes=CLASSES), mixed_precision=torch.bfloat16)
+    amp_optimizer = torch.optim.SGD(amp.parameters(), lr=0.1)
+    train_one_epoch(amp, amp_optimizer, _loader(_data(2 * world * BATCH), rank, world), CPU, 0,
+                    amp_dtype=torch.bfloat16)
+    amp.eval()
+    with torch.no_grad():
+        logits = amp(x)
+    return dict(whole=whole, block=block, held=held, skipped=skipped, logits=logits.dtype,
+                from_rank0=from_rank0,
+                shards={p.to_local().dtype for p in amp.parameters()},
+                finite=all(bool(p.to_local().isfinite().all()) for p in amp.parameters()))
+
+
+def test_each_fsdp_rank_holds_a_half_and_skips_reductions_when_told(tmp_path):
+    ranks = run_ranks(_memory_worker, 2, tmp_path)
+    for got in ranks:
+        limit = got["whole"] / 2 + got["block"] / 2  # 1/N, plus padding far below a block
+        for what in ("parameters", "gradients", "optimizer"):  # SGD momentum: one per weight
+            assert got["whole"] / 3 < got["held"][what] <= limit, (what, got)
+        assert got["from_rank0"]  # as DDP, every rank starts from rank 0's weights
+        assert got["skipped"]  # the unsharded gradients wait for the final micro-batch
+        # --amp: bf16 compute (the root's output), float32 shards for the optimizer
+        assert got["logits"] == torch.bfloat16 and got["shards"] == {torch.float32}
+        assert got["finite"]
+    assert sum(got["held"]["parameters"] for got in ranks) >= ranks[0]["whole"]
+
+
+# ---------------------------------------------------------------- runs, restarts, resume
+@pytest.fixture(scope="module")
+def restarted_fsdp_run(tiny_data, tmp_path_factory):
+    """torchrun --max-restarts=1 --strategy fsdp, local rank 1 killed in epoch 1: the group
+    restarts and resumes from the FSDP checkpoint of epoch 0."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    cmd = torchrun_cmd(2, "--max-restarts=1", LAUNCH,
+                       *flags(tiny_data, out, "--epochs", "3", "--strategy", "fsdp"))
+    tree = ProcessTree(cmd, out.parent / "launcher.log")
+    try:
+        tree.wait_for(epochs_done(out, 1), "epoch 0's checkpoint")
+        time.sleep(0.5)
+        (victim,) = [p for p in tree.children() if proc_env(p).get("LOCAL_RANK") == "1"]
+        os.kill(victim, signal.SIGKILL)
+        code = tree.wait_exit(240)
+        assert code == 0, tree.output()[-4000:]
+        assert not tree.alive_seen()
+        yield out
+    finally:
+        tree.kill_all()
+
+
+def assert_close_runs(out, expected_out, epochs: range) -> None:
+    ours, ref = read_metrics(out), read_metrics(expected_out)
+    assert [m["epoch"] for m in ours] == list(epochs)
+    for got, want in zip(ours, ref):
+        assert got["epoch"] == want["epoch"] and got["lr"] == pytest.approx(want["lr"])
+        for key in ("train_loss", "val_acc", "val_loss"):
+            assert got[key] == pytest.approx(want[key], abs=1e-4), (key, got, want)
+    final, expected = load_ckpt(out / "checkpoint.pth"), load_ckpt(expected_out / "checkpoint.pth")
+    assert final["epoch"] == expected["epoch"] == epochs[-1]
+    torch.testing.assert_close(final["model"], expected["model"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_restarted_fsdp_run_ends_where_the_ddp_run_ends(restarted_fsdp_run, reference_run):
+    out = restarted_fsdp_run
+    assert_close_runs(out, reference_run.out, range(3))
+    ckpt = load_ckpt(out / "checkpoint.pth")
+    assert ckpt["args"]["strategy"] == "fsdp"
+    assert set(ckpt["optimizer"]["state"]) <= set(ckpt["model"])  # keyed by parameter name
+    torchvision = pytest.importorskip("torchvision")
+    for path in (out / "weights" / "model-2.pth", out / "model_best.pth"):
+        state = load_ckpt(path)
+        torchvision.models.resnet18(num_classes=5).load_state_dict(state.get("model", state))
+
+
+def test_ddp_and_fsdp_checkpoints_continue_under_the_other_strategy(
+        restarted_fsdp_run, reference_run, tiny_data, tmp_path, plain):
+    """One more epoch from epoch 2: the DDP checkpoint under FSDP, the FSDP one under DDP (both
+    2 ranks, the same numbers), and the FSDP one in one process (the lr follows the batch)."""
+    runs = {}
+    for strategy, source in (("fsdp", reference_run.out), ("ddp", restarted_fsdp_run)):
+        out = runs[strategy] = clone_run(source, tmp_path / strategy)
+        res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "4",
+                                                 "--strategy", strategy)))
+        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert_close_runs(runs["fsdp"], runs["ddp"], range(4))
+
+    out = clone_run(restarted_fsdp_run, tmp_path / "one")
+    res = plain(flags(tiny_data, out, "--epochs", "4", "--strategy", "fsdp"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "--strategy fsdp with one process" in res.stderr
+    assert "the learning rate is scaled by 0.5" in res.stderr
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1, 2, 3]
+
+
+def test_sigint_stops_an_fsdp_run_of_the_spawn_launcher(tiny_data, tmp_path, launched):
+    out = tmp_path / "run"
+    tree = launched([sys.executable, SPAWN, "--world-size", "2",
+                     *flags(tiny_data, out, "--epochs", "50", "--strategy", "fsdp")])
+    tree.wait_for(epochs_done(out, 1), "epoch 0")
+    tree.proc.send_signal(signal.SIGINT)
+    seconds = tree.wait_all_gone(timeout=60)
+    output = tree.output()
+    assert seconds < 30, f"shutdown took {seconds:.0f}s"
+    assert tree.proc.returncode == 130, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    ckpt = load_ckpt(out / "checkpoint.pth")  # whole, as every epoch's save is
+    assert ckpt["epoch"] == read_metrics(out)[-1]["epoch"] and ckpt["args"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("extra, needle", [(["--compile"], "--compile is not supported with "
+                                            "--strategy fsdp"),
+                                           (["--comm-hook", "bf16"], "use --amp")])
+def test_what_fsdp_cannot_do_is_one_line(extra, needle, tiny_data, tmp_path, plain):
+    res = plain(flags(tiny_data, tmp_path / "run", "--strategy", "fsdp", *extra))
+    assert_user_error(res, needle)
+
+
+# ---------------------------------------------------------------- the table of docs/strategies.md
+def _memory_row(rank: int, world: int, name: str, strategy: str) -> dict:
+    """One SGD step (momentum) on 2 images of 64 px per rank; what this rank then holds."""
+    import resource
+
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Python and torch
+    torch.manual_seed(0)
+    bare = get_model(name)  # 1000 classes, as the published sizes
+    model = shard_model(bare) if strategy == "fsdp" else DDP(bare)
+    optimizer = torch.optim.SGD(bare.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(2, 3, 64, 64), torch.tensor([0, 1])
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {**local_bytes(bare, optimizer), "start_rss": start, "peak_rss": peak}
+
+
+def memory_table(models: tuple[str, ...] = ("resnet50", "resnext101_32x8d"), world: int = 2
+                 ) -> str:
+    """``python tests/test_fsdp.py``: docs/strategies.md's table, rank 0's numbers in MiB."""
+    import tempfile
+
+    rows = ["| model | strategy | parameters | gradients | optimizer state | together | "
+            "peak RSS (at start) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name in models:
+        for strategy in ("ddp", "fsdp"):
+            with tempfile.TemporaryDirectory() as folder:
+                got = run_ranks(_memory_row, world, folder, name, strategy)[0]
+            mib = {k: v / 2**20 for k, v in got.items()}
+            rows.append(f"| {name} | {strategy} | {mib['parameters']:.0f} | "
+                        f"{mib['gradients']:.0f} | {mib['optimizer']:.0f} | "
+                        f"{mib['parameters'] + mib['gradients'] + mib['optimizer']:.0f} | "
+                        f"{mib['peak_rss']:.0f} ({mib['start_rss']:.0f}) |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(memory_table())

@@ -1,0 +1,171 @@
+"""The default loader workers follow the machine, and the next batch is copied while one trains.
+
+``my_dataset.default_workers`` is checked with mocked CPU counts; ``prefetch_to_device`` on CPU
+(the batches pass through untouched) and, with a fake stream API, in the order its CUDA path
+queues copies, waits and ``record_stream`` calls. A real GPU, where there is one, checks it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import flags
+
+import my_dataset
+from multi_train_utils import distributed_utils, train_eval_utils
+from multi_train_utils.train_eval_utils import prefetch_to_device, train_one_epoch
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("device, cpus, batch, workers", [
+    (CUDA, 16, 256, 15),  # every CPU but the one that launches the kernels
+    (CUDA, 16, 4, 4),  # at most a worker per image of the batch
+    (CUDA, 1, 256, 0),  # one CPU: it loads and launches
+    (CUDA, 16, 1, 0),
+    (CPU, 16, 256, 8),  # on CPU the workers take cores from training: at most 8
+    (CPU, 2, 16, 2),
+    (CPU, 4, 3, 3),
+    (CPU, 16, 1, 0),
+])
+def test_default_workers_follow_the_device(monkeypatch, device, cpus, batch, workers):
+    monkeypatch.setattr(my_dataset, "cpus_per_process", lambda: cpus)
+    assert my_dataset.default_workers(batch, device) == workers
+
+
+def test_default_workers_take_this_process_share_of_the_cpus(monkeypatch):
+    # 8 GPU processes of a 16-CPU machine (torchrun sets LOCAL_WORLD_SIZE): 2 CPUs each.
+    monkeypatch.setattr(distributed_utils, "usable_cpus", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert my_dataset.default_workers(256, CUDA) == 1
+    assert my_dataset.default_workers(256, CPU) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert my_dataset.default_workers(256, CUDA) == 15
+
+
+def test_the_start_up_line_says_the_resolved_worker_count(plain, tiny_data, tmp_path):
+    args = flags(tiny_data, tmp_path / "run", "--epochs", "1")
+    del args[args.index("--workers"):args.index("--workers") + 2]  # the default
+    res = plain(args)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    expected = my_dataset.default_workers(4, CPU)  # TINY_FLAGS' batch 4, in this process
+    assert f"{expected} loader workers" in res.stdout + res.stderr
+
+
+def test_on_cpu_the_batches_pass_through_untouched_and_in_order():
+    batches = [(torch.full((2, 3), k), torch.tensor([k, k]), f"batch {k}") for k in range(4)]
+    out = list(prefetch_to_device(iter(batches), CPU))
+    assert len(out) == 4 and all(a is b for a, b in zip(out, batches))
+    assert list(prefetch_to_device([], CPU)) == []
+
+
+class _Stream:
+    """A stand-in for ``torch.cuda.Stream`` that writes what is queued on it into ``log``."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+class _Tensor(torch.Tensor):
+    """A CPU tensor whose copy to the device and ``record_stream`` are logged, not done."""
+
+    def to(self, device, non_blocking=False):
+        self.log.append(("copy", self.tag, self.streams[-1].name, str(device), non_blocking))
+        return self
+
+    def record_stream(self, stream):
+        self.log.append(("record", self.tag, stream.name))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's stream API faked: ``(log, make_tensor)``, every call written to ``log``."""
+    log: list = []
+    compute = _Stream("compute", log)
+    streams = [compute]  # the innermost ``with torch.cuda.stream(s)`` last
+
+    @contextlib.contextmanager
+    def use(stream):
+        streams.append(stream)
+        yield
+        streams.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: _Stream("side", log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: compute)
+    monkeypatch.setattr(torch.cuda, "stream", use)
+
+    def make_tensor(tag: str) -> torch.Tensor:
+        tensor = torch.zeros(1).as_subclass(_Tensor)
+        tensor.tag, tensor.log, tensor.streams = tag, log, streams
+        return tensor
+
+    return log, make_tensor
+
+
+def test_on_cuda_the_next_batch_is_copied_on_a_side_stream_while_this_one_trains(fake_cuda):
+    log, make_tensor = fake_cuda
+
+    def loader():
+        for k in range(3):
+            log.append(("load", k))
+            yield make_tensor(f"x{k}"), make_tensor(f"y{k}"), f"path {k}"
+
+    for k, (images, labels, path) in enumerate(prefetch_to_device(loader(), CUDA)):
+        assert (images.tag, labels.tag, path) == (f"x{k}", f"y{k}", f"path {k}")  # in order
+        log.append(("train", k))
+
+    def copied(k):  # batch k's copies queued on the side stream, then their records
+        return [*(("copy", f"{t}{k}", "side", "cuda", True) for t in "xy"),
+                *(("record", f"{t}{k}", "compute") for t in "xy")]
+    wait = ("wait", "compute", "side")
+    # Batch k+1 is loaded and its copy queued before batch k trains. Compute's wait for the
+    # side stream is queued before the next copy, so it waits for batch k's copy, not k+1's.
+    assert log == [("load", 0), *copied(0),
+                   ("load", 1), wait, *copied(1), ("train", 0),
+                   ("load", 2), wait, *copied(2), ("train", 1),
+                   wait, ("train", 2)]
+
+
+def test_on_cuda_a_batch_of_another_shape_passes_through(fake_cuda):
+    log, make_tensor = fake_cuda
+    batch = {"images": make_tensor("x0")}  # _unpack explains what train_one_epoch takes
+    out = list(prefetch_to_device([batch], CUDA))
+    assert len(out) == 1 and out[0] is batch
+    assert log == [("wait", "compute", "side")]  # nothing copied
+
+
+def test_train_one_epoch_takes_its_batches_through_the_prefetcher(monkeypatch):
+    seen = []
+
+    def spy(batches, device):
+        for batch in prefetch_to_device(batches, device):
+            seen.append((batch, device))
+            yield batch
+
+    monkeypatch.setattr(train_eval_utils, "prefetch_to_device", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
+    batches = [(torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8), torch.tensor([0, 2]))
+               for _ in range(3)]
+    loss = train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, CPU, 0)
+    assert [b for b, _ in seen] == batches and {d for _, d in seen} == {CPU}
+    assert loss > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_every_batch_arrives_whole_and_in_order():
+    source = [(torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8).pin_memory(),
+               torch.arange(64) + k) for k in range(5)]
+    out = []
+    for images, labels in prefetch_to_device(source, CUDA):
+        assert images.is_cuda and labels.is_cuda
+        images.float().sum()  # compute on the current stream while the next copy runs
+        out.append((images.cpu(), labels.cpu()))
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(out, source))
+    assert len(out) == 5
