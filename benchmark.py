@@ -787,71 +787,75 @@ def _spread(values: Sequence[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The human-readable summary printed at the end (also what goes into the README)."""
-    cfg, host = report["config"], report["host"]
+def _row(label: str, value: str, note: str = "") -> str:
+    return f"   {label:<46}{value:>9}{note}"
+
+
+def _header_lines(report: dict[str, Any]) -> list[str]:
+    host = report["host"]
     load = lambda v: " ".join(f"{x:.2f}" for x in v) if v else "n/a"  # noqa: E731
-    lines = [f"command: {report['command']}",
-             f"host: {host['cpu']}, {host['cpus_usable'] or host['cpu_count']} CPUs"
-             + (f", GPUs: {', '.join(host['gpus'])}" if host.get("gpus") else "")
-             + f"; torch {report['versions']['torch']}, torchvision "
-               f"{report['versions']['torchvision']}",
-             f"load average (1/5/15 min): {load(host['load_avg_start'])} at start, "
-             f"{load(host['load_avg_end'])} at end", ""]
-    row = lambda label, value, note="": f"   {label:<46}{value:>9}{note}"  # noqa: E731
-    p = report["pipeline"]
-    lines += [f"1. Input pipeline, img/s per worker (1 process, 1 thread; {p['images']} JPEGs "
-              f"{p['image_width']}x{p['image_height']} q{p['jpeg_quality']}, "
-              f"~{p['mean_file_kb']:.0f} KB; crop {p['crop']}; median of {cfg['repeats']})",
-              row("template: PIL + transforms v1 -> float", f"{p['template_img_per_s']:.1f}"),
-              row("ours: torchvision.io + transforms v2 -> uint8", f"{p['ours_img_per_s']:.1f}"),
-              row("speed-up (median of paired repeats)", f"{p['ratio']:.2f}x",
+    return [f"command: {report['command']}",
+            f"host: {host['cpu']}, {host['cpus_usable'] or host['cpu_count']} CPUs"
+            + (f", GPUs: {', '.join(host['gpus'])}" if host.get("gpus") else "")
+            + f"; torch {report['versions']['torch']}, torchvision "
+              f"{report['versions']['torchvision']}",
+            f"load average (1/5/15 min): {load(host['load_avg_start'])} at start, "
+            f"{load(host['load_avg_end'])} at end"]
+
+
+def _pipeline_lines(p: dict[str, Any], repeats: int) -> list[str]:
+    lines = [f"1. Input pipeline, img/s per worker (1 process, 1 thread; {p['images']} JPEGs "
+             f"{p['image_width']}x{p['image_height']} q{p['jpeg_quality']}, "
+             f"~{p['mean_file_kb']:.0f} KB; crop {p['crop']}; median of {repeats})",
+             _row("template: PIL + transforms v1 -> float", f"{p['template_img_per_s']:.1f}"),
+             _row("ours: torchvision.io + transforms v2 -> uint8", f"{p['ours_img_per_s']:.1f}"),
+             _row("speed-up (median of paired repeats)", f"{p['ratio']:.2f}x",
                   f"   target >= {p['target_ratio']}x; repeats {_spread(p['paired_ratios'])}")]
     if p.get("gpu_decode", {}).get("img_per_s"):
-        lines.append(row(f"ours, nvJPEG on {p['gpu_decode']['device']} (main process)",
-                         f"{p['gpu_decode']['img_per_s']:.1f}"))
-    loop = report["loop"]
-    lines += ["",
-              f"2. Training loop, img/s ({loop['model']}, {loop['img_size']} px, batch "
-              f"{loop['batch_size']}, {loop['steps']} steps, {loop['device']}"
-              + (f", {loop['threads']} thread(s)" if loop["device"] == "cpu" else "")
-              + f"; median of {cfg['repeats']})",
-              row("bare forward/backward/step loop", f"{loop['bare_img_per_s']:.1f}"),
-              row("ours: train_one_epoch", f"{loop['ours_img_per_s']:.1f}"),
-              row("efficiency (median of paired repeats)", f"{loop['efficiency']:.3f}",
-                  f"   target >= {loop['target_efficiency']}; repeats "
-                  f"{_spread(loop['paired_ratios'])}")]
+        lines.append(_row(f"ours, nvJPEG on {p['gpu_decode']['device']} (main process)",
+                          f"{p['gpu_decode']['img_per_s']:.1f}"))
+    return lines
+
+
+def _loop_lines(loop: dict[str, Any], repeats: int) -> list[str]:
     over = loop["overhead"]
-    lines += [row(f"overhead per step (1-layer model, {over['steps']} steps)",
-                  f"{over['per_step_ms']:.3f}", f" ms of a {over['bare_step_ms']:.0f} ms step"),
-              row("efficiency implied by that overhead", f"{over['implied_efficiency']:.4f}")]
-    s = report["scaling"]
+    return [f"2. Training loop, img/s ({loop['model']}, {loop['img_size']} px, batch "
+            f"{loop['batch_size']}, {loop['steps']} steps, {loop['device']}"
+            + (f", {loop['threads']} thread(s)" if loop["device"] == "cpu" else "")
+            + f"; median of {repeats})",
+            _row("bare forward/backward/step loop", f"{loop['bare_img_per_s']:.1f}"),
+            _row("ours: train_one_epoch", f"{loop['ours_img_per_s']:.1f}"),
+            _row("efficiency (median of paired repeats)", f"{loop['efficiency']:.3f}",
+                 f"   target >= {loop['target_efficiency']}; repeats "
+                 f"{_spread(loop['paired_ratios'])}"),
+            _row(f"overhead per step (1-layer model, {over['steps']} steps)",
+                 f"{over['per_step_ms']:.3f}", f" ms of a {over['bare_step_ms']:.0f} ms step"),
+            _row("efficiency implied by that overhead", f"{over['implied_efficiency']:.4f}")]
+
+
+def _scaling_row(entry: dict[str, Any], label: str = "") -> str:
+    memory = ", ".join(f"{m:.0f}" for m in entry["peak_memory_mib"])
+    return (f"   {entry['processes']:9d} {entry['img_per_s']:9.1f} {entry['epoch_seconds']:9.1f} "
+            f"{entry['efficiency']:12.3f}   {memory}" + (f"   <- {label}" if label else ""))
+
+
+def _scaling_lines(s: dict[str, Any], repeats: int) -> list[str]:
     backend = s["results"][max(s["results"], key=int)]["backend"]
     per_rank = (f"{s['threads_per_rank']} thread(s) per rank" if s["device"] == "cpu"
                 else "1 GPU per rank")
     mem = "peak RSS" if s["memory_kind"] == "peak RSS" else "peak CUDA allocated"
-    lines += ["",
-              f"3./4. Scaling (DDP, {backend}, {per_rank}, batch {s['batch_size_per_rank']} per "
-              f"rank, SyncBN {'on' if s['sync_bn'] else 'off'}, --comm-hook {s['comm_hook']}"
-              + (f", --grad-accum-steps {s['grad_accum_steps']}" if s["grad_accum_steps"] > 1
-                 else "") + "; "
-              f"epoch = {s['epoch_images']} "
-              f"images; best of {cfg['repeats']})",
-              f"   processes     img/s   s/epoch   efficiency   {mem} per rank (MiB)"]
-    for entry in s["results"].values():
-        memory = ", ".join(f"{m:.0f}" for m in entry["peak_memory_mib"])
-        lines.append(f"   {entry['processes']:9d} {entry['img_per_s']:9.1f} "
-                     f"{entry['epoch_seconds']:9.1f} {entry['efficiency']:12.3f}   {memory}")
+    accum = f", --grad-accum-steps {s['grad_accum_steps']}" if s["grad_accum_steps"] > 1 else ""
+    lines = [f"3./4. Scaling (DDP, {backend}, {per_rank}, batch {s['batch_size_per_rank']} per "
+             f"rank, SyncBN {'on' if s['sync_bn'] else 'off'}, --comm-hook {s['comm_hook']}"
+             f"{accum}; epoch = {s['epoch_images']} images; best of {repeats})",
+             f"   processes     img/s   s/epoch   efficiency   {mem} per rank (MiB)"]
+    lines += [_scaling_row(entry) for entry in s["results"].values()]
     ex = s.get("explain") or {}
-    for key, label in (("no_comm", "no communication: no DDP, no SyncBN (ceiling)"),
-                       ("no_sync_bn", "DDP without SyncBN (--no-sync-bn)"),
-                       ("comm_hook_bf16", "--comm-hook bf16"),
-                       ("comm_hook_none", "--comm-hook none")):
-        if key in ex:
-            e = ex[key]
-            memory = ", ".join(f"{m:.0f}" for m in e["peak_memory_mib"])
-            lines.append(f"   {e['processes']:9d} {e['img_per_s']:9.1f} {e['epoch_seconds']:9.1f} "
-                         f"{e['efficiency']:12.3f}   {memory}   <- {label}")
+    lines += [_scaling_row(ex[key], label) for key, label in (
+        ("no_comm", "no communication: no DDP, no SyncBN (ceiling)"),
+        ("no_sync_bn", "DDP without SyncBN (--no-sync-bn)"),
+        ("comm_hook_bf16", "--comm-hook bf16"),
+        ("comm_hook_none", "--comm-hook none")) if key in ex]
     if "summary" in ex:
         sm = ex["summary"]
         lines.append(f"   ceiling {sm['ceiling_efficiency']:.2f}: what {sm['processes']} processes "
@@ -869,21 +873,31 @@ def format_table(report: dict[str, Any]) -> str:
         first = next(iter(s["results"].values()))
         lines.append(f"   (peak RSS includes ~{first['rss_at_start_mib'][0]:.0f} MiB a rank holds "
                      "after importing torch, before any model or data)")
-    d = report["with_data"]
+    return lines
+
+
+def _data_lines(d: dict[str, Any], p: dict[str, Any], repeats: int) -> list[str]:
     target = (f"   target >= {d['target_img_per_s']} on an H200 (resnet34, 224 px, bf16, "
               "channels-last)" if d["target_img_per_s"] else "")
-    lines += ["",
-              f"5. Training with data, img/s (1 process; {d['model']}, {d['img_size']} px, batch "
-              f"{d['batch_size']}, {d['workers']} loader worker(s); {d['files']} JPEGs "
-              f"{p['image_width']}x{p['image_height']}; {d['timed_images'] // d['batch_size']} "
-              f"steps after {d['untimed_batches_first']}; median of {cfg['repeats']})",
-              row(f"loader alone: decode + augment, copy to {d['device'].split(':')[0]}",
-                  f"{d['loader_img_per_s']:.1f}"),
-              row("compute alone: stage 2, pre-loaded batches", f"{d['compute_img_per_s']:.1f}"),
-              row("train_one_epoch fed by the loader", f"{d['with_data_img_per_s']:.1f}", target),
-              row("with data / compute alone", f"{d['data_efficiency']:.3f}",
-                  f"   limited by {d['limited_by']}")]
-    return "\n".join(lines)
+    return [f"5. Training with data, img/s (1 process; {d['model']}, {d['img_size']} px, batch "
+            f"{d['batch_size']}, {d['workers']} loader worker(s); {d['files']} JPEGs "
+            f"{p['image_width']}x{p['image_height']}; {d['timed_images'] // d['batch_size']} "
+            f"steps after {d['untimed_batches_first']}; median of {repeats})",
+            _row(f"loader alone: decode + augment, copy to {d['device'].split(':')[0]}",
+                 f"{d['loader_img_per_s']:.1f}"),
+            _row("compute alone: stage 2, pre-loaded batches", f"{d['compute_img_per_s']:.1f}"),
+            _row("train_one_epoch fed by the loader", f"{d['with_data_img_per_s']:.1f}", target),
+            _row("with data / compute alone", f"{d['data_efficiency']:.3f}",
+                 f"   limited by {d['limited_by']}")]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable summary printed at the end (also what goes into the README)."""
+    repeats = report["config"]["repeats"]
+    sections = [_header_lines(report), _pipeline_lines(report["pipeline"], repeats),
+                _loop_lines(report["loop"], repeats), _scaling_lines(report["scaling"], repeats),
+                _data_lines(report["with_data"], report["pipeline"], repeats)]
+    return "\n\n".join("\n".join(lines) for lines in sections)
 
 
 def write_chart(report: dict[str, Any], path: Path) -> Path:

@@ -133,7 +133,7 @@ def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator
         for x in moved:
             if torch.is_tensor(x):  # made on the side stream, used on compute's: the caching
                 x.record_stream(compute)  # allocator must not reuse it before compute is done
-        return type(batch)(moved)
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
 
     loader = iter(batches)
     try:

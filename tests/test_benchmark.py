@@ -43,10 +43,12 @@ def bench(tmp_path_factory):
     return proc, out, tmp
 
 
-def test_json_holds_every_figure(bench):
-    _, out, _ = bench
-    report = json.loads((out / "benchmark.json").read_text())
+@pytest.fixture(scope="module")
+def report(bench):
+    return json.loads((bench[1] / "benchmark.json").read_text())
 
+
+def test_pipeline_figures(report):
     pipeline = report["pipeline"]
     for key in ("template_img_per_s", "ours_img_per_s", "ratio"):
         assert _positive(pipeline[key]), (key, pipeline[key])
@@ -63,6 +65,8 @@ def test_json_holds_every_figure(bench):
     # Photo-like content: a 500x375 quality-90 photo is tens of KB, a flat fake a few KB.
     assert pipeline["mean_file_kb"] > 15
 
+
+def test_loop_figures(report):
     loop = report["loop"]
     for key in ("bare_img_per_s", "ours_img_per_s", "efficiency"):
         assert _positive(loop[key]), (key, loop[key])
@@ -80,6 +84,8 @@ def test_json_holds_every_figure(bench):
         over["bare_step_ms"] / (over["bare_step_ms"] + over["per_step_ms"]))
     assert over["bare_step_ms"] == pytest.approx(2 / loop["bare_img_per_s"] * 1e3)
 
+
+def test_scaling_figures(report):
     scaling = report["scaling"]
     results = scaling["results"]
     assert sorted(results, key=int) == ["1", "2"]
@@ -131,6 +137,9 @@ def test_json_holds_every_figure(bench):
     assert report["peak_memory"]["per_rank"] == {n: e["peak_memory_mib"]
                                                  for n, e in results.items()}
 
+
+def test_with_data_figures(report):
+    loop = report["loop"]
     # Data included: the training script's loader (its worker count) feeding train_one_epoch,
     # beside the loader alone and stage 2's compute alone; the slower of those is the limit.
     data = report["with_data"]
@@ -158,6 +167,8 @@ def test_json_holds_every_figure(bench):
         "loading in the training process (--workers 0)"]
     assert data["target_img_per_s"] is None  # the 5,000 img/s target is an H200's
 
+
+def test_run_is_described(report):
     assert report["config"]["model"] == "resnet18" and report["config"]["procs"] == [1, 2]
     assert report["versions"]["torch"] and report["versions"]["torchvision"]
     assert report["host"]["cpu_count"] >= 1 and len(report["host"]["load_avg_start"]) == 3

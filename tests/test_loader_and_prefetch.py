@@ -7,6 +7,7 @@ queues copies, waits and ``record_stream`` calls. A real GPU, where there is one
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
@@ -130,6 +131,14 @@ def test_on_cuda_the_next_batch_is_copied_on_a_side_stream_while_this_one_trains
                    ("load", 1), wait, *copied(1), ("train", 0),
                    ("load", 2), wait, *copied(2), ("train", 1),
                    wait, ("train", 2)]
+
+
+def test_on_cuda_a_namedtuple_batch_keeps_its_type(fake_cuda):
+    Batch = collections.namedtuple("Batch", "images labels")
+    log, make_tensor = fake_cuda
+    (out,) = prefetch_to_device([Batch(make_tensor("x0"), make_tensor("y0"))], CUDA)
+    assert type(out) is Batch and (out.images.tag, out.labels.tag) == ("x0", "y0")
+    assert ("copy", "y0", "side", "cuda", True) in log
 
 
 def test_on_cuda_a_batch_of_another_shape_passes_through(fake_cuda):
