@@ -22,7 +22,8 @@ Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -50,7 +51,7 @@ class BasicBlock(nn.Module):
     # Output channels = planes * expansion; the stage builder needs it before a block exists.
     expansion: int = 1
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
                  groups: int = 1, base_width: int = 64, dilation: int = 1,
                  norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
@@ -90,7 +91,7 @@ class Bottleneck(nn.Module):
 
     expansion: int = 4
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
                  groups: int = 1, base_width: int = 64, dilation: int = 1,
                  norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
@@ -147,8 +148,8 @@ class ResNet(nn.Module):
 
     def __init__(self, block: Block, layers: list[int], num_classes: int = 1000, include_top: bool = True,
                  zero_init_residual: bool = False, groups: int = 1, width_per_group: int = 64,
-                 replace_stride_with_dilation: Optional[list[bool]] = None,
-                 norm_layer: Optional[NormLayer] = None) -> None:
+                 replace_stride_with_dilation: list[bool] | None = None,
+                 norm_layer: NormLayer | None = None) -> None:
         super().__init__()
         if block not in (BasicBlock, Bottleneck):
             raise ValueError(f"block must be BasicBlock or Bottleneck, got {block!r}.")

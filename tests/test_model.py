@@ -3,7 +3,7 @@
 Everything runs on CPU at 64x64 px with randomly initialised weights; nothing is downloaded.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
