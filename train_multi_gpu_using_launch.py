@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
-from torchvision.utils import make_grid
 
 from model import MODELS, freeze_backbone, get_model
 from multi_train_utils.checkpoint import (claim_output_dir, load_checkpoint, load_pretrained,
@@ -31,16 +30,16 @@ from multi_train_utils.checkpoint import (claim_output_dir, load_checkpoint, loa
                                           save_epoch, write_metrics)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
                                                  cleanup, cpus_per_process, init_distributed_mode,
-                                                 is_main_process, register_comm_hook, run_on_main)
+                                                 register_comm_hook, run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, signals_deferred
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (evaluate, format_report, resolve_amp_dtype,
                                                train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
-from utils import (BoolFlag, HelpFormatter, confusion_figure, default_demo_root, get_transforms,
-                   label_by_class_name, make_demo_data, number, path_flag, scan_image_folder,
-                   split_train_val, write_json_atomic, write_scan_files)
+from utils import (BoolFlag, HelpFormatter, default_demo_root, get_transforms, label_by_class_name,
+                   log_epoch, make_demo_data, number, path_flag, scan_image_folder,
+                   split_train_val, tensorboard_writer, write_json_atomic, write_scan_files)
 
 log = logging.getLogger("train")
 
@@ -66,6 +65,9 @@ def main(args: argparse.Namespace) -> None:
     root = args.data_path or str(make_demo_data(args.demo_dir or default_demo_root()))
     scan = run_on_main(scan_image_folder, root, verify=args.verify_images).rebased(root)
     classes = scan.classes
+    if args.num_classes not in (None, len(classes)):  # the class folders decide; say a mismatch
+        raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} class "
+                          "folders; drop the flag, or give the folder those classes.")
     if args.val_path:  # an already split data set: all of --data-path trains
         val_scan = run_on_main(scan_image_folder, args.val_path, min_classes=1)
         train_paths, train_labels, _, _ = split_train_val(scan, 0.0, args.seed)
@@ -111,7 +113,8 @@ def main(args: argparse.Namespace) -> None:
     elif info.distributed:  # each rank keeps all, all-reduces the gradients
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
+            bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True,
+            find_unused_parameters=args.find_unused_parameters)  # a branch that may go unused
         register_comm_hook(model, args.comm_hook)
     if args.compile:
         model = torch.compile(model)
@@ -184,25 +187,10 @@ def main(args: argparse.Namespace) -> None:
         with signals_deferred():  # a stop signal waits until the epoch is on disk
             save_epoch(out, model_without_ddp, optimizer, scaler, state, record, is_best,
                        args.keep_last)  # every rank: FSDP gathers the whole model to rank 0
-        if writer:
-            for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
-                writer.add_scalar(tag, record[tag], epoch)
-            if epoch == args.epochs - 1:
-                writer.add_figure("confusion_matrix", confusion_figure(result.confusion, classes))
-            writer.flush()
+        if writer:  # the confusion matrix once, at the end
+            last = epoch == args.epochs - 1
+            log_epoch(writer, record, classes, result.confusion if last else None)
     cleanup()
-
-
-def tensorboard_writer(out: Path, start_epoch: int, train_set: MyDataSet):
-    """Rank 0's SummaryWriter; a resumed run drops what a lost epoch logged, then continues."""
-    if not is_main_process():
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # an optional extra: imported when used
-
-    writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_epoch or None)
-    images = torch.stack([train_set[i][0] for i in range(min(16, len(train_set)))])
-    writer.add_image("train_images", make_grid(images, nrow=8), start_epoch)
-    return writer
 
 
 def run_args(args: argparse.Namespace, info: DistInfo, images_per_step: int) -> dict:
@@ -242,7 +230,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--val-rate", type=fraction, default=0.2, help="held out per class")
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
     group.add_argument("--img-size", type=count, default=224, help="training crop size")
-    group.add_argument("--num-classes", "--num_classes", type=count, help="the folders decide")
+    group.add_argument("--num-classes", "--num_classes", type=count,
+                       help="checked: must equal the number of class folders")
     group.add_argument("--workers", type=number(int, 0), help="per process (GPU: CPUs-1, CPU: <=8)")
     group.add_argument("--verify-images", action=BoolFlag, default=True,
                        help="check every image's header before training")
@@ -271,6 +260,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="DDP bucket size")
     group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
                        help="all-reduce gradients in 16 bits (half the bytes, rounded)")
+    group.add_argument("--find-unused-parameters", action=BoolFlag, default=False,
+                       help="ddp: a model whose forward skips some parameters (fsdp needs none)")
     group = parser.add_argument_group("distributed")
     group.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="fsdp: each holds 1/N")
     group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],

@@ -30,6 +30,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFilter
 from torchvision.transforms import v2
 
+from multi_train_utils.distributed_utils import is_main_process
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
 from my_dataset import check_image, printable_path
@@ -314,6 +315,30 @@ def confusion_figure(confusion: torch.Tensor, classes: Sequence[str]) -> Any:
     ax.set(xlabel="predicted", ylabel="true")
     fig.tight_layout()
     return fig
+
+
+def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.Dataset) -> Any:
+    """Rank 0's ``SummaryWriter`` in ``out/tensorboard`` (None on the other ranks), with 16
+    training images; a resumed run drops what a lost epoch logged, then continues."""
+    if not is_main_process():
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # an optional extra: imported when used
+    from torchvision.utils import make_grid
+
+    writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_epoch or None)
+    images = torch.stack([train_set[i][0] for i in range(min(16, len(train_set)))])
+    writer.add_image("train_images", make_grid(images, nrow=8), start_epoch)
+    return writer
+
+
+def log_epoch(writer: Any, record: dict[str, Any], classes: Sequence[str],
+              confusion: torch.Tensor | None = None) -> None:
+    """An epoch's numbers (a ``metrics.jsonl`` record) as scalars, and ``confusion`` if given."""
+    for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
+        writer.add_scalar(tag, record[tag], record["epoch"])
+    if confusion is not None:
+        writer.add_figure("confusion_matrix", confusion_figure(confusion, classes))
+    writer.flush()
 
 
 def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,

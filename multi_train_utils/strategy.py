@@ -59,6 +59,7 @@ def shard_model(model: nn.Module, *, mixed_precision: torch.dtype | None = None,
     only with float32 weights and statistics), in one unit per stage so it adds few collectives.
     """
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # DDP copies rank 0's weights to every rank when it wraps; fully_shard only cuts each rank's
@@ -67,6 +68,10 @@ def shard_model(model: nn.Module, *, mixed_precision: torch.dtype | None = None,
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, src=0)
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    # Without a mesh, fully_shard puts the shards on the machine's accelerator: a --device cpu
+    # run on a GPU host would shard onto CUDA under a gloo group. The model's device decides.
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     stages = [getattr(model, name) for name in units if hasattr(model, name)]
     inner = {id(m) for stage in stages for m in stage.modules()}
     for unit in [*stages, model]:
@@ -74,10 +79,10 @@ def shard_model(model: nn.Module, *, mixed_precision: torch.dtype | None = None,
             norms = [m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
                      and (unit is not model or id(m) not in inner)]
             if norms:
-                fully_shard(norms)  # one float32 unit (no policy: the parameters' own dtype)
+                fully_shard(norms, mesh=mesh)  # one float32 unit (no policy: their own dtype)
         # The root too frees its gathered parameters after forward (FSDP2 keeps them by default,
         # for the backward that follows): after evaluate() no unit stays whole.
-        fully_shard(unit, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     model.register_forward_pre_hook(_share_buffers_for_eval)
     return model
 

@@ -25,6 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from .distributed_utils import get_world_size, is_main_process, reduce_value
+from .guard import ConfigError
 from .strategy import gradient_sync
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         last_micro = (step + 1) % grad_accum_steps == 0 or step + 1 == steps
         with gradient_sync(model, enabled=last_micro):  # DDP's no_sync, or FSDP's equivalent
             with _autocast(device, amp_dtype):
-                output = model(images)
+                output = _forward(model, images)
             # Sum / count == mean over valid samples, yet finite for a batch of unreadable ones.
             loss = loss_function(_logits(output, "train_one_epoch"), labels) / n_valid.clamp(min=1)
             # Mean over the micro-batches of this step; the epoch's last group may be shorter
@@ -218,6 +219,18 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                          "process  eta %d:%02d", epoch, step + 1, steps, mean_loss, lr,
                          seen / elapsed, eta // 60, eta % 60)
     return mean_loss  # the last step always reduced: no second all-reduce
+
+
+def _forward(model: nn.Module, images: torch.Tensor) -> Any:
+    try:
+        return model(images)
+    except RuntimeError as exc:  # DDP's, at the step after one where a parameter got no gradient
+        if "Expected to have finished reduction" not in str(exc):
+            raise
+        raise ConfigError("DDP waited for the gradients of parameters the forward did not use (a "
+                          "branch it skips, a head left out of the loss); add "
+                          "--find-unused-parameters (DistributedDataParallel(find_unused_parameters"
+                          "=True)), or set requires_grad=False on them.") from None
 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -432,7 +432,8 @@ def digest(model):
 ddp_init = DistributedDataParallel.__init__
 def wrapped_ddp_init(self, module, *args, **kwargs):
     norms = {type(m).__name__ for m in module.modules() if "Norm" in type(m).__name__}
-    record("ddp", norms=sorted(norms), world_size=dist.get_world_size())
+    record("ddp", norms=sorted(norms), world_size=dist.get_world_size(),
+           find_unused=kwargs.get("find_unused_parameters", False))
     ddp_init(self, module, *args, **kwargs)
 DistributedDataParallel.__init__ = wrapped_ddp_init
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 from typing import Any
 
@@ -804,6 +805,46 @@ def test_a_non_finite_loss_stops_every_rank_with_one_sentence(tmp_path):
     # Sample 5 is rank 1's third (round-robin), in its step 1: noticed at step 1 (print_freq 2).
     assert got == ["loss is nan at epoch 3 step 1 (checked every 2 steps); lower the learning "
                    "rate (--lr) or check the data."] * 2
+
+
+class _UnusedBranch(nn.Module):
+    """A model whose forward skips a layer (an auxiliary head, a branch taken only sometimes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(12, 4), nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x.flatten(1))
+
+
+def _unused_branch_worker(rank: int, world: int, find_unused: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _UnusedBranch()
+    before = copy.deepcopy(model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 3, 2, 2, generator=gen), torch.randint(0, 4, (16,)))
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, world, rank))
+    ddp = DDP(model, find_unused_parameters=find_unused)
+    try:
+        loss = train_one_epoch(ddp, torch.optim.SGD(model.parameters(), lr=0.1), loader, CPU, 0)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {"loss": loss, "changed": {k: not torch.equal(v, before[k])
+                                      for k, v in model.state_dict().items()}}
+
+
+def test_an_unused_branch_trains_with_find_unused_parameters_and_names_it_without(tmp_path):
+    trained = run_ranks(_unused_branch_worker, 2, tmp_path / "with", True)
+    for got in trained:
+        assert math.isfinite(got["loss"])
+        assert got["changed"] == {"used.weight": True, "used.bias": True,
+                                  "unused.weight": False, "unused.bias": False}
+    # Without the flag DDP stops the second step with a paragraph; one sentence names the fix.
+    refused = run_ranks(_unused_branch_worker, 2, tmp_path / "without", False)
+    for got in refused:
+        assert "add --find-unused-parameters" in got["error"]
+        assert "find_unused_parameters=True" in got["error"]
 
 
 def test_progress_goes_to_the_log_when_stdout_is_a_file(caplog, capsys):

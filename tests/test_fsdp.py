@@ -163,6 +163,24 @@ def test_each_fsdp_rank_holds_a_half_and_skips_reductions_when_told(tmp_path):
 
 
 # ---------------------------------------------------------------- runs, restarts, resume
+def _mesh_worker(rank: int, world: int) -> list[str]:
+    # fully_shard without a mesh takes the machine's accelerator: on a GPU host a --device cpu
+    # run would shard onto CUDA under a gloo group. Here any use of that default fails.
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_module
+
+    def no_default_mesh() -> None:
+        raise AssertionError("fully_shard built its default mesh")
+
+    fully_shard_module._init_default_mesh = no_default_mesh
+    model = shard_model(get_model("resnet18", num_classes=CLASSES).to(CPU),
+                        mixed_precision=torch.bfloat16)  # the BatchNorm units too
+    return sorted({p.device_mesh.device_type for p in model.parameters()})
+
+
+def test_fsdp_shards_on_a_mesh_of_the_models_device(tmp_path):
+    assert run_ranks(_mesh_worker, 2, tmp_path) == [["cpu"], ["cpu"]]
+
+
 @pytest.fixture(scope="module")
 def restarted_fsdp_run(tiny_data, tmp_path_factory):
     """torchrun --max-restarts=1 --strategy fsdp, local rank 1 killed in epoch 1: the group

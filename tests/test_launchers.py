@@ -73,7 +73,8 @@ def legacy_run(tiny_data, tmp_path_factory):
     probe, out = make_probe(tmp), tmp / "run"
     res = run([sys.executable, "-m", "torch.distributed.launch", "--use_env",
                "--nproc_per_node=2", f"--master_port={free_port()}", probe.script, LAUNCH,
-               *flags(tiny_data, out, "--epochs", "1", "--syncBN", "False", "--world-size", "2")],
+               *flags(tiny_data, out, "--epochs", "1", "--syncBN", "False", "--world-size", "2",
+                      "--find-unused-parameters")],
               **probe.env)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return out, probe.records()
@@ -88,12 +89,13 @@ def test_syncBN_False_trains_with_plain_batchnorm(legacy_run):
     _, records = legacy_run
     ddp = [r for rank in (0, 1) for r in records[rank] if r["kind"] == "ddp"]
     assert [(r["rank"], r["norms"]) for r in ddp] == [(0, ["BatchNorm2d"]), (1, ["BatchNorm2d"])]
+    assert [r["find_unused"] for r in ddp] == [True, True]  # --find-unused-parameters reached DDP
 
 
 def test_spawn_launcher_two_cpu_processes(tiny_data, tmp_path):
     out = tmp_path / "run"
     res = run([sys.executable, SPAWN, "--world-size", "2",
-               *flags(tiny_data, out, "--epochs", "1")])
+               *flags(tiny_data, out, "--epochs", "1", "--num_classes", "5")])  # as the folders
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     check_run_folder(out, epochs=1, world_size=2)
 
@@ -286,14 +288,26 @@ def test_a_user_error_is_one_line_and_exit_2(case, tiny_data, tmp_path, plain):
     assert not (out / "checkpoint.pth").exists() and not (out / "metrics.jsonl").exists()
 
 
-def test_a_user_error_under_torchrun_stops_every_rank(tmp_path):
-    missing = tmp_path / "nope"
-    res = run(torchrun_cmd(2, LAUNCH, *flags(missing, tmp_path / "out", "--epochs", "1")),
+@pytest.mark.parametrize("mistake", ["missing data path", "--num_classes 7 for 5 folders"])
+def test_a_user_error_under_torchrun_stops_every_rank(mistake, tiny_data, tmp_path):
+    data, extra, needle = tiny_data, ["--num_classes", "7"], "--num-classes 7, but"
+    if mistake == "missing data path":
+        data, extra, needle = tmp_path / "nope", [], str(tmp_path / "nope")
+    res = run(torchrun_cmd(2, LAUNCH, *flags(data, tmp_path / "out", "--epochs", "1", *extra)),
               timeout=120)
     text = res.stdout + res.stderr
     assert res.returncode != 0
     lines = error_lines(text)
-    assert len(lines) == 1 and str(missing) in lines[0], text[-3000:]  # said once, by rank 0
+    assert len(lines) == 1 and needle in lines[0], text[-3000:]  # said once, by rank 0
     assert "exitcode  : 2" in text, text[-3000:]  # torchrun reports the ranks' own exit code
     assert f'{LAUNCH}", line' not in text, text[-3000:]  # no rank's traceback
+    assert not (tmp_path / "out" / "checkpoint.pth").exists()
+
+
+def test_num_classes_that_disagree_with_the_folders_stop_the_spawn_launcher(tiny_data, tmp_path):
+    res = run([sys.executable, SPAWN, "--world-size", "2",
+               *flags(tiny_data, tmp_path / "out", "--epochs", "1", "--num-classes", "7")],
+              timeout=120)
+    line = assert_user_error(res, "--num-classes 7, but", str(tiny_data), "5 class folders")
+    assert line.startswith("error: ")  # rank 0's line only; the launcher adds none
     assert not (tmp_path / "out" / "checkpoint.pth").exists()
