@@ -1,11 +1,11 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install, train on the generated demo data (2 CPU processes)
-#   make test   - create .venv, install, run the test suite
+#   make test   - create .venv, install, lint (ruff check .), run the test suite
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench figures clean
+.PHONY: demo lint test bench figures clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,11 @@ demo: $(VENV)/.installed
 		--device cpu --model resnet18 --img-size 64 --batch-size 16 --lr 0.005 --epochs 6 \
 		--output-dir runs/demo --resume none --keep-last 1
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q --durations=15
 
 bench: $(VENV)/.installed
 	$(PY) benchmark.py

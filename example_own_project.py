@@ -1,7 +1,7 @@
 """Data-parallel training of your own model and dataset with multi_train_utils alone.
 
-    python example_own_project.py                          # one process (GPU, else CPU)
-    torchrun --nproc_per_node=2 example_own_project.py     # two processes: NCCL on GPUs, gloo on CPU
+    python example_own_project.py                        # one process (GPU, else CPU)
+    torchrun --nproc_per_node=2 example_own_project.py   # two processes: NCCL on GPUs, gloo on CPU
 
 Copy the ``multi_train_utils/`` folder next to your script; then swap in your own ``Dataset`` and
 ``nn.Module``. Here: a synthetic 4-class task (the quadrant of the first two of 16 features).

@@ -10,8 +10,8 @@ weights is left to the caller, e.g.::
 
 Pick a model by name (this is what ``--model`` in the training script uses)::
 
-    model = get_model("resnet50", num_classes=5)                   # (N, 3, H, W) -> (N, 5)
-    backbone = get_model("resnet50", include_top=False)            # (N, 3, H, W) -> (N, 2048, H/32, W/32)
+    model = get_model("resnet50", num_classes=5)           # (N, 3, H, W) -> (N, 5)
+    backbone = get_model("resnet50", include_top=False)    # (N, 3, H, W) -> (N, 2048, H/32, W/32)
     gn = get_model("resnet18", norm_layer=lambda c: nn.GroupNorm(32, c))  # no BatchNorm at all
 
 For SyncBatchNorm, convert after building (``multi_train_utils.sync_batchnorm``) rather than
@@ -22,8 +22,8 @@ Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs
 
 from __future__ import annotations
 
-from typing import Any, Union
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,8 @@ from torch import Tensor, nn
 NormLayer = Callable[[int], nn.Module]
 
 
-def conv3x3(in_planes: int, out_planes: int, stride: int = 1, groups: int = 1, dilation: int = 1) -> nn.Conv2d:
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1, groups: int = 1,
+            dilation: int = 1) -> nn.Conv2d:
     """3x3 convolution without bias; padding equals dilation so stride 1 keeps H and W."""
     return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=dilation,
                      groups=groups, bias=False, dilation=dilation)
@@ -51,13 +52,14 @@ class BasicBlock(nn.Module):
     # Output channels = planes * expansion; the stage builder needs it before a block exists.
     expansion: int = 1
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
-                 groups: int = 1, base_width: int = 64, dilation: int = 1,
-                 norm_layer: NormLayer = nn.BatchNorm2d) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1,
+                 downsample: nn.Module | None = None, groups: int = 1, base_width: int = 64,
+                 dilation: int = 1, norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
         if groups != 1 or base_width != 64:
-            raise ValueError(f"BasicBlock supports only groups=1 and width_per_group=64, got groups={groups} "
-                             f"and width_per_group={base_width}; use resnet50 or deeper for ResNeXt widths.")
+            raise ValueError(f"BasicBlock supports only groups=1 and width_per_group=64, got "
+                             f"groups={groups} and width_per_group={base_width}; use resnet50 or "
+                             "deeper for ResNeXt widths.")
         if dilation > 1:
             raise ValueError(f"BasicBlock does not support dilation (got dilation={dilation}); use "
                              "replace_stride_with_dilation only with resnet50 or deeper.")
@@ -91,9 +93,9 @@ class Bottleneck(nn.Module):
 
     expansion: int = 4
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
-                 groups: int = 1, base_width: int = 64, dilation: int = 1,
-                 norm_layer: NormLayer = nn.BatchNorm2d) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1,
+                 downsample: nn.Module | None = None, groups: int = 1, base_width: int = 64,
+                 dilation: int = 1, norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
         # ResNeXt keeps FLOPs comparable by splitting a wider 3x3 into `groups` paths of
         # `base_width` channels each (per 64 planes); groups=1, base_width=64 is plain ResNet.
@@ -120,7 +122,7 @@ class Bottleneck(nn.Module):
         return self.relu(out)
 
 
-Block = Union[type[BasicBlock], type[Bottleneck]]
+Block = type[BasicBlock] | type[Bottleneck]
 
 
 class ResNet(nn.Module):
@@ -146,25 +148,27 @@ class ResNet(nn.Module):
         norm_layer: called as ``norm_layer(num_channels)``; e.g. ``lambda c: nn.GroupNorm(32, c)``.
     """
 
-    def __init__(self, block: Block, layers: list[int], num_classes: int = 1000, include_top: bool = True,
-                 zero_init_residual: bool = False, groups: int = 1, width_per_group: int = 64,
-                 replace_stride_with_dilation: list[bool] | None = None,
+    def __init__(self, block: Block, layers: list[int], num_classes: int = 1000,
+                 include_top: bool = True, zero_init_residual: bool = False, groups: int = 1,
+                 width_per_group: int = 64, replace_stride_with_dilation: list[bool] | None = None,
                  norm_layer: NormLayer | None = None) -> None:
         super().__init__()
         if block not in (BasicBlock, Bottleneck):
             raise ValueError(f"block must be BasicBlock or Bottleneck, got {block!r}.")
         if len(layers) != 4 or any(not isinstance(n, int) or n < 1 for n in layers):
-            raise ValueError(f"layers must be four positive block counts, e.g. [2, 2, 2, 2], got {layers!r}.")
+            raise ValueError("layers must be four positive block counts, e.g. [2, 2, 2, 2], "
+                             f"got {layers!r}.")
         # bool is an int subclass; num_classes=True is always a mistake.
         if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
         dilate = replace_stride_with_dilation or [False, False, False]
         if len(dilate) != 3:
-            raise ValueError("replace_stride_with_dilation must be None or three booleans for stages 2-4, "
-                             f"got {replace_stride_with_dilation!r}.")
+            raise ValueError("replace_stride_with_dilation must be None or three booleans for "
+                             f"stages 2-4, got {replace_stride_with_dilation!r}.")
         norm_layer = norm_layer or nn.BatchNorm2d
         if not callable(norm_layer):
-            raise ValueError(f"norm_layer must be callable as norm_layer(num_channels), got {norm_layer!r}.")
+            raise ValueError("norm_layer must be callable as norm_layer(num_channels), "
+                             f"got {norm_layer!r}.")
 
         self._norm_layer = norm_layer
         self.include_top = include_top
@@ -199,7 +203,8 @@ class ResNet(nn.Module):
                 nn.init.constant_(m.bias, 0)
         if zero_init_residual:
             for m in self.modules():
-                last_norm = m.bn3 if isinstance(m, Bottleneck) else m.bn2 if isinstance(m, BasicBlock) else None
+                last_norm = (m.bn3 if isinstance(m, Bottleneck)
+                             else m.bn2 if isinstance(m, BasicBlock) else None)
                 # Norm layers without an affine weight (or nn.Identity) have nothing to zero.
                 if isinstance(getattr(last_norm, "weight", None), Tensor):
                     nn.init.zeros_(last_norm.weight)
@@ -221,9 +226,11 @@ class ResNet(nn.Module):
             downsample = nn.Sequential(conv1x1(self.inplanes, planes * block.expansion, stride),
                                        norm_layer(planes * block.expansion))
         shared = dict(groups=self.groups, base_width=self.base_width, norm_layer=norm_layer)
-        layers = [block(self.inplanes, planes, stride, downsample, dilation=previous_dilation, **shared)]
+        layers = [block(self.inplanes, planes, stride, downsample, dilation=previous_dilation,
+                        **shared)]
         self.inplanes = planes * block.expansion
-        layers += [block(self.inplanes, planes, dilation=self.dilation, **shared) for _ in range(1, blocks)]
+        layers += [block(self.inplanes, planes, dilation=self.dilation, **shared)
+                   for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def forward_features(self, x: Tensor) -> Tensor:
@@ -235,22 +242,23 @@ class ResNet(nn.Module):
         return self.layer4(x)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``(N, 3, H, W) -> (N, num_classes)`` logits, or the feature map if ``include_top=False``."""
+        """``(N, 3, H, W) -> (N, num_classes)`` logits; the feature map if ``include_top=False``."""
         x = self.forward_features(x)
         if not self.include_top:
             return x
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def _resnet(block: Block, layers: list[int], num_classes: int, include_top: bool, kwargs: dict[str, Any],
-            **fixed: Any) -> ResNet:
+def _resnet(block: Block, layers: list[int], num_classes: int, include_top: bool,
+            kwargs: dict[str, Any], **fixed: Any) -> ResNet:
     """Build a :class:`ResNet`; ``fixed`` holds arguments that define the named architecture."""
     # Fail loudly instead of silently building a different network than the name promises.
     for key, value in fixed.items():
         if kwargs.get(key, value) != value:
             raise ValueError(f"{key}={kwargs[key]!r} conflicts with this model's {key}={value}; "
                              f"pass {key} to resnet50 or resnet101 to build a custom width.")
-    return ResNet(block, layers, num_classes=num_classes, include_top=include_top, **{**kwargs, **fixed})
+    return ResNet(block, layers, num_classes=num_classes, include_top=include_top,
+                  **{**kwargs, **fixed})
 
 
 def resnet18(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
@@ -275,17 +283,20 @@ def resnet101(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) 
 
 def resnext50_32x4d(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
     """ResNeXt-50 32x4d (https://arxiv.org/abs/1611.05431); ``kwargs`` go to :class:`ResNet`."""
-    return _resnet(Bottleneck, [3, 4, 6, 3], num_classes, include_top, kwargs, groups=32, width_per_group=4)
+    return _resnet(Bottleneck, [3, 4, 6, 3], num_classes, include_top, kwargs, groups=32,
+                   width_per_group=4)
 
 
 def resnext101_32x8d(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
     """ResNeXt-101 32x8d (https://arxiv.org/abs/1611.05431); ``kwargs`` go to :class:`ResNet`."""
-    return _resnet(Bottleneck, [3, 4, 23, 3], num_classes, include_top, kwargs, groups=32, width_per_group=8)
+    return _resnet(Bottleneck, [3, 4, 23, 3], num_classes, include_top, kwargs, groups=32,
+                   width_per_group=8)
 
 
 # Name -> builder; the names are torchvision's, so `--model` spells them as torchvision does.
 MODELS: dict[str, Callable[..., ResNet]] = {
-    f.__name__: f for f in (resnet18, resnet34, resnet50, resnet101, resnext50_32x4d, resnext101_32x8d)}
+    f.__name__: f for f in (resnet18, resnet34, resnet50, resnet101, resnext50_32x4d,
+                            resnext101_32x8d)}
 
 
 def get_model(name: str, **kwargs: Any) -> ResNet:
@@ -312,7 +323,8 @@ def freeze_backbone(model: nn.Module) -> None:
     ``convert_sync_batchnorm`` swaps the BatchNorm modules, since it looks them up each time.
     """
     if not any(name.startswith("fc.") for name, _ in model.named_parameters()):
-        raise ValueError("freeze_backbone needs a model with an `fc` classifier (include_top=True).")
+        raise ValueError("freeze_backbone needs a model with an `fc` classifier "
+                         "(include_top=True).")
     for name, param in model.named_parameters():
         param.requires_grad_(name.startswith("fc."))
     model.register_forward_pre_hook(_batchnorm_eval)

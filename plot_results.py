@@ -60,7 +60,8 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise UsageError(f"no {METRICS_FILE} in {path.parent}; pass the --output-dir of a training run.") from None
+        raise UsageError(f"no {METRICS_FILE} in {path.parent}; "
+                         "pass the --output-dir of a training run.") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read {path} ({exc}).") from None
     by_epoch: dict[int, dict[str, Any]] = {}
@@ -69,7 +70,8 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)  # a line cut short by a crash mid-write raises here
         except json.JSONDecodeError:
             record = None
-        if not isinstance(record, dict) or not all(_is_number(record.get(k)) for k in REQUIRED_KEYS):
+        if (not isinstance(record, dict)
+                or not all(_is_number(record.get(k)) for k in REQUIRED_KEYS)):
             if line.strip():
                 print(f"warning: {path}:{lineno}: skipping a line that is not an epoch record with "
                       f"{', '.join(REQUIRED_KEYS)}.", file=sys.stderr)
@@ -83,7 +85,8 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
 def load_runs(run_dirs: Sequence[Path], labels: Sequence[str] | None = None) -> list[Run]:
     """Read every run directory; ``labels`` (one per run) replace the folder names."""
     if labels and len(labels) != len(run_dirs):
-        raise UsageError(f"got {len(labels)} --labels for {len(run_dirs)} runs; give one label per run.")
+        raise UsageError(f"got {len(labels)} --labels for {len(run_dirs)} runs; "
+                         "give one label per run.")
     labels = labels or [Path(d).resolve().name for d in run_dirs]
     return [Run(label, load_metrics(Path(d) / METRICS_FILE)) for d, label in zip(run_dirs, labels)]
 
@@ -104,7 +107,8 @@ def plot_accuracy(runs: Sequence[Run]) -> Figure:
     fig, ax = _new_figure("Validation accuracy", "epoch", "top-1 accuracy (%)")
     for i, run in enumerate(runs):
         epochs, acc = run.series("val_acc")
-        ax.plot(epochs, [100 * a for a in acc], color=f"C{i}", marker="o", markersize=3, label=run.label)
+        ax.plot(epochs, [100 * a for a in acc], color=f"C{i}", marker="o", markersize=3,
+                label=run.label)
     ax.legend()
     return fig
 
@@ -136,13 +140,15 @@ def plot_epoch_time(runs: Sequence[Run]) -> Figure:
 
 def save_plots(runs: Sequence[Run], out_dir: Path, dpi: int = 120) -> list[Path]:
     """Write the three charts into ``out_dir`` (created if needed); returns their paths."""
-    charts = {"accuracy.png": plot_accuracy, "loss.png": plot_loss, "epoch_time.png": plot_epoch_time}
+    charts = {"accuracy.png": plot_accuracy, "loss.png": plot_loss,
+              "epoch_time.png": plot_epoch_time}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, plot in charts.items():
             plot(runs).savefig(out_dir / name, dpi=dpi)
     except OSError as exc:  # a file in the way, a read-only folder, a full disk
-        raise UsageError(f"cannot write the plots into --out-dir {out_dir} ({exc.strerror or exc}).") from None
+        raise UsageError(f"cannot write the plots into --out-dir {out_dir} "
+                         f"({exc.strerror or exc}).") from None
     return [out_dir / name for name in charts]
 
 
@@ -175,13 +181,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Plot accuracy, loss and epoch time of training runs.",
-                                     formatter_class=_HelpFormatter, add_help=add_help)
+    parser = argparse.ArgumentParser(
+        description="Plot accuracy, loss and epoch time of training runs.",
+        formatter_class=_HelpFormatter, add_help=add_help)
     parser.add_argument("run_dirs", nargs="+", type=_path, metavar="RUN_DIR",
                         help=f"training --output-dir holding {METRICS_FILE}")
     group = parser.add_argument_group("output")
-    group.add_argument("--out-dir", "--output-dir", dest="out_dir", type=_path, required=True, metavar="DIR",
-                       help="folder for the PNG files")
+    group.add_argument("--out-dir", "--output-dir", dest="out_dir", type=_path, required=True,
+                       metavar="DIR", help="folder for the PNG files")
     group.add_argument("--labels", nargs="+", metavar="LABEL",
                        help="legend label per run (default: the folder names)")
     group.add_argument("--dpi", type=_positive_int, default=120, help="resolution of the PNG files")

@@ -52,7 +52,8 @@ DEFAULT_IMG_SIZE = 224
 @dataclass(frozen=True)
 class Prediction:
     """One image's result: ``probs`` is the softmax ``(num_classes,)``, ``top_k`` the best
-    ``(class, probability)`` pairs; for an unreadable image both are empty and ``error`` says why."""
+    ``(class, probability)`` pairs; for an unreadable image both are empty and ``error``
+    says why."""
 
     path: Path
     probs: Tensor | None
@@ -75,7 +76,8 @@ def load_class_names(path: Path) -> list[str]:
         raise UserError(f"cannot read class indices {path} ({exc}).") from None
     keys = [str(i) for i in range(len(data))] if isinstance(data, dict) else None
     if not keys or sorted(data, key=lambda k: (len(k), k)) != keys:
-        raise UserError(f'{path} must map the indices 0..N-1 to class names, like {{"0": "daisy"}}.')
+        raise UserError(f"{path} must map the indices 0..N-1 to class names, "
+                        'like {"0": "daisy"}.')
     return [str(data[k]) for k in keys]
 
 
@@ -92,11 +94,11 @@ def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int) -> n
     """``name`` with ``num_classes`` outputs and ``state_dict`` loaded (strict), in eval mode."""
     fc = state_dict.get("fc.weight")
     if fc is None:
-        raise UserError("the weights have no classifier fc.weight: they are not from a model of this "
-                        "template trained with a head.")
+        raise UserError("the weights have no classifier fc.weight: they are not from a model of "
+                        "this template trained with a head.")
     if fc.shape[0] != num_classes:
-        raise UserError(f"the class list has {num_classes} classes but the weights were trained for "
-                        f"{fc.shape[0]}; pass the class_indices.json of the same training run.")
+        raise UserError(f"the class list has {num_classes} classes but the weights were trained "
+                        f"for {fc.shape[0]}; pass the class_indices.json of the same training run.")
     model = get_model(name, num_classes=num_classes)
     try:
         model.load_state_dict(state_dict)
@@ -123,8 +125,8 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     elif not classes:
         found = run_file(weights, "class_indices.json")
         if found is None:
-            raise UserError(f"no class names: {weights} holds none and there is no class_indices.json "
-                            "beside it or one folder up; pass --class-indices.")
+            raise UserError(f"no class names: {weights} holds none and there is no "
+                            "class_indices.json beside it or one folder up; pass --class-indices.")
         classes = load_class_names(found)
     # `or`, not a .get default: args.json holds null for options left unset.
     net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes))
@@ -144,7 +146,8 @@ def collect_images(inputs: Sequence[Path]) -> list[Path]:
         if not given.is_dir():
             paths.append(given)
             continue
-        paths += sorted(p for p in given.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file()
+        paths += sorted(p for p in given.rglob("*")
+                        if p.suffix.lower() in IMG_EXTENSIONS and p.is_file()
                         and not any(part.startswith(".") for part in p.relative_to(given).parts))
     return list(dict.fromkeys(paths))  # a file named and also inside a named folder: once
 
@@ -182,7 +185,8 @@ def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str], img
             probs = model(batch).float().softmax(dim=1).cpu()
             values, indices = probs.topk(min(top_k, len(classes)), dim=1)
             for row, (path, _) in enumerate(good):
-                pairs = [(classes[i], p) for i, p in zip(indices[row].tolist(), values[row].tolist())]
+                pairs = [(classes[i], p)
+                         for i, p in zip(indices[row].tolist(), values[row].tolist())]
                 results[path] = Prediction(path, probs[row], pairs)
         yield from (results[p] for p in paths[start:start + batch_size])
 
@@ -202,14 +206,16 @@ def _device(name: str) -> torch.device:
     except RuntimeError:
         raise UserError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: {torch.cuda.device_count()} GPU(s) visible; use --device cpu.")
+        raise UserError(f"--device {name}: {torch.cuda.device_count()} GPU(s) visible; "
+                        "use --device cpu.")
     return device
 
 
 def main(args: argparse.Namespace) -> None:
     try:
         device = _device(args.device)
-        model, classes, img_size = load_predictor(args.weights, model=args.model, img_size=args.img_size,
+        model, classes, img_size = load_predictor(args.weights, model=args.model,
+                                                  img_size=args.img_size,
                                                   class_indices=args.class_indices)
         paths = collect_images(args.images)
         if not paths:
@@ -247,8 +253,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Classify images with a trained checkpoint.", add_help=add_help,
-                                     formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(description="Classify images with a trained checkpoint.",
+                                     add_help=add_help, formatter_class=_HelpFormatter)
     parser.add_argument("images", nargs="+", type=_path, metavar="IMAGE",
                         help="image files, or folders searched recursively for image files")
     group = parser.add_argument_group("model")
@@ -258,13 +264,17 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                        help="JSON index -> class name (default: the checkpoint's own list, else "
                             "class_indices.json beside --weights or one folder up)")
     group.add_argument("--model", choices=list(MODELS),
-                       help=f"architecture (default: as recorded in training, else {DEFAULT_MODEL})")
+                       help="architecture (default: as recorded in training, "
+                            f"else {DEFAULT_MODEL})")
     group.add_argument("--img-size", type=_positive_int,
-                       help=f"crop size (default: as recorded in training, else {DEFAULT_IMG_SIZE})")
+                       help="crop size (default: as recorded in training, "
+                            f"else {DEFAULT_IMG_SIZE})")
     group = parser.add_argument_group("inference")
     group.add_argument("--top-k", type=_positive_int, default=5, help="classes printed per image")
-    group.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
-    group.add_argument("--batch-size", type=_positive_int, default=32, help="images per forward pass")
+    group.add_argument("--device", default="auto",
+                       help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    group.add_argument("--batch-size", type=_positive_int, default=32,
+                       help="images per forward pass")
     return parser
 
 

@@ -204,7 +204,7 @@ def main(args: argparse.Namespace) -> None:
     text = Path(args.doc).read_text(encoding="utf-8")
     for name, body in render_blocks(summary).items():  # each block's text, markers kept
         text = re.sub(rf"(<!-- figures:{name} -->\n).*?(\n<!-- /figures -->)",
-                      lambda m: m[1] + body + m[2], text, flags=re.S)
+                      lambda m, body=body: m[1] + body + m[2], text, flags=re.S)
     Path(args.doc).write_text(text, encoding="utf-8")
 
 

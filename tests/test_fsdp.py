@@ -95,7 +95,7 @@ def init_weights(tmp_path_factory) -> str:
                          ids=["batchnorm", "syncbn-clip", "accum2-clip"])
 def test_fsdp_takes_the_steps_ddp_takes(sync_bn, accum, clip, init_weights, tmp_path):
     ranks = run_ranks(_equivalence_worker, 2, tmp_path, init_weights, sync_bn, accum, clip)
-    for rank, got in enumerate(ranks):
+    for got in ranks:
         ddp, fsdp = got["ddp"], got["fsdp"]
         # float32 tolerance: a clipped step's norm sums the squares in another order
         torch.testing.assert_close(fsdp["losses"], ddp["losses"], rtol=1e-5, atol=1e-5)

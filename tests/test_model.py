@@ -53,7 +53,8 @@ def model_pair(request: pytest.FixtureRequest) -> tuple[str, nn.Module, nn.Modul
 
 
 def test_models_registry_lists_every_builder() -> None:
-    assert NAMES == ["resnet18", "resnet34", "resnet50", "resnet101", "resnext50_32x4d", "resnext101_32x8d"]
+    assert NAMES == ["resnet18", "resnet34", "resnet50", "resnet101", "resnext50_32x4d",
+                     "resnext101_32x8d"]
     for name, builder in model.MODELS.items():
         assert builder is getattr(model, name)
 
@@ -67,7 +68,8 @@ def test_state_dict_matches_torchvision(model_pair: tuple[str, nn.Module, nn.Mod
     assert ours_shapes == reference_shapes
 
 
-def test_torchvision_weights_give_identical_outputs(model_pair: tuple[str, nn.Module, nn.Module]) -> None:
+def test_torchvision_weights_give_identical_outputs(
+        model_pair: tuple[str, nn.Module, nn.Module]) -> None:
     _, ours, reference = model_pair
     _randomize_(reference)
     ours.load_state_dict(reference.state_dict(), strict=True)
@@ -142,7 +144,8 @@ def test_dilation_matches_torchvision() -> None:
     ids=["groupnorm", "groupnorm-no-affine"],
 )
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
-def test_norm_layer_replaces_every_batchnorm(name: str, norm_layer: Callable[[int], nn.Module]) -> None:
+def test_norm_layer_replaces_every_batchnorm(name: str,
+                                             norm_layer: Callable[[int], nn.Module]) -> None:
     net = model.get_model(name, norm_layer=norm_layer, zero_init_residual=True)
     batch_norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
     assert not any(isinstance(m, batch_norms) for m in net.modules())
@@ -202,7 +205,8 @@ def test_get_model_unknown_name_lists_valid_names() -> None:
         (model.resnext50_32x4d, {"groups": 64}, "groups"),
     ],
 )
-def test_bad_arguments_raise_value_error(builder: Callable[..., nn.Module], kwargs: dict, match: str) -> None:
+def test_bad_arguments_raise_value_error(builder: Callable[..., nn.Module], kwargs: dict,
+                                         match: str) -> None:
     with pytest.raises(ValueError, match=match):
         builder(**kwargs)
 
@@ -257,7 +261,8 @@ def test_freeze_backbone_trains_only_fc_and_keeps_batchnorm_statistics() -> None
         assert all(torch.equal(after[k], before[k]) for k in before)
         assert net.training and net.fc.training  # only the BatchNorm layers were switched
         out.sum().backward()
-        assert {n for n, p in net.named_parameters() if p.grad is not None} == {"fc.weight", "fc.bias"}
+        assert ({n for n, p in net.named_parameters() if p.grad is not None}
+                == {"fc.weight", "fc.bias"})
         net.zero_grad(set_to_none=True)
 
 

@@ -20,8 +20,9 @@ PNGS = ("accuracy.png", "loss.png", "epoch_time.png")
 
 
 def _record(epoch: int, acc: float, loss: float, seconds: float, **extra: float) -> str:
-    return json.dumps({"epoch": epoch, "train_loss": loss, "val_acc": acc, "val_top5": None, "lr": 0.01,
-                       "epoch_seconds": seconds, "train_images_per_sec": 100.0, **extra})
+    return json.dumps({"epoch": epoch, "train_loss": loss, "val_acc": acc, "val_top5": None,
+                       "lr": 0.01, "epoch_seconds": seconds, "train_images_per_sec": 100.0,
+                       **extra})
 
 
 def _write_run(run_dir: Path, lines: list[str]) -> Path:
@@ -39,7 +40,8 @@ def runs(tmp_path: Path) -> tuple[Path, Path]:
         _record(2, 0.61, 0.90, 10.0),
     ])
     two = _write_run(tmp_path / "two_procs",
-                     [_record(e, 0.3 + 0.1 * e, 1.4 - 0.2 * e, 6.0 + e, val_loss=1.5 - 0.2 * e) for e in range(4)])
+                     [_record(e, 0.3 + 0.1 * e, 1.4 - 0.2 * e, 6.0 + e, val_loss=1.5 - 0.2 * e)
+                      for e in range(4)])
     return one, two
 
 
@@ -56,8 +58,9 @@ def _main(capsys: pytest.CaptureFixture, *argv: str | Path) -> tuple[int, list[s
 
 def test_cli_writes_three_valid_pngs(runs: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "plots"
-    result = subprocess.run([sys.executable, str(ROOT / "plot_results.py"), *map(str, runs), "--out-dir", str(out),
-                             "--labels", "A", "B"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(ROOT / "plot_results.py"), *map(str, runs),
+                             "--out-dir", str(out), "--labels", "A", "B"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [str(out / name) for name in PNGS]
@@ -72,7 +75,8 @@ def test_cli_writes_three_valid_pngs(runs: tuple[Path, Path], tmp_path: Path) ->
         "epoch, train_loss, val_acc, epoch_seconds."]
 
 
-def test_plotted_values_are_read_from_metrics(runs: tuple[Path, Path], capsys: pytest.CaptureFixture) -> None:
+def test_plotted_values_are_read_from_metrics(runs: tuple[Path, Path],
+                                              capsys: pytest.CaptureFixture) -> None:
     loaded = plot_results.load_runs(runs)
 
     accuracy = plot_results.plot_accuracy(loaded).axes[0]
@@ -93,7 +97,8 @@ def test_plotted_values_are_read_from_metrics(runs: tuple[Path, Path], capsys: p
     assert [bar.get_height() for bar in bars] == pytest.approx([11.0, 7.5])
 
 
-def test_malformed_lines_are_skipped_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_malformed_lines_are_skipped_with_a_warning(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
     run = _write_run(tmp_path / "run", [
         _record(0, 0.5, 1.0, 3.0),
         "[1, 2, 3]",
@@ -126,15 +131,18 @@ def test_missing_or_empty_metrics_exit_2_with_one_line(tmp_path: Path, content: 
     assert not (tmp_path / "plots").exists()
 
 
-def test_labels_must_match_run_count(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_labels_must_match_run_count(runs: tuple[Path, Path], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture) -> None:
     code, _, err = _main(capsys, *runs, "--out-dir", tmp_path / "plots", "--labels", "a")
     assert code == 2
     assert err[-1] == "error: got 1 --labels for 2 runs; give one label per run."
 
-    assert [run.label for run in plot_results.load_runs(runs, ["1 GPU", "2 GPUs"])] == ["1 GPU", "2 GPUs"]
+    assert ([run.label for run in plot_results.load_runs(runs, ["1 GPU", "2 GPUs"])]
+            == ["1 GPU", "2 GPUs"])
 
 
-def test_out_dir_that_is_a_file_exits_2(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_out_dir_that_is_a_file_exits_2(runs: tuple[Path, Path], tmp_path: Path,
+                                        capsys: pytest.CaptureFixture) -> None:
     blocker = tmp_path / "plots"
     blocker.write_text("a file where the folder should be")
 
@@ -146,8 +154,10 @@ def test_out_dir_that_is_a_file_exits_2(runs: tuple[Path, Path], tmp_path: Path,
 
 
 @pytest.mark.parametrize("dpi", ["0", "-5", "x"])
-def test_non_positive_dpi_is_rejected_by_the_parser(tmp_path: Path, dpi: str, capsys: pytest.CaptureFixture) -> None:
+def test_non_positive_dpi_is_rejected_by_the_parser(tmp_path: Path, dpi: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
-        plot_results.get_args_parser().parse_args([str(tmp_path), "--out-dir", str(tmp_path / "p"), "--dpi", dpi])
+        plot_results.get_args_parser().parse_args([str(tmp_path), "--out-dir",
+                                                   str(tmp_path / "p"), "--dpi", dpi])
     assert exc.value.code == 2
     assert f"--dpi: expected a positive integer, got '{dpi}'" in capsys.readouterr().err

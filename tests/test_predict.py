@@ -32,7 +32,8 @@ PAIR = re.compile(r"^(?P<name>\w+): (?P<prob>[01]\.\d{3})$")
 def _noise_image(path: Path, size: tuple[int, int], mode: str = "RGB", seed: int = 0) -> Path:
     generator = torch.Generator().manual_seed(seed)
     channels = len(Image.new(mode, (1, 1)).getbands())
-    pixels = torch.randint(0, 256, (size[1], size[0], channels), dtype=torch.uint8, generator=generator)
+    pixels = torch.randint(0, 256, (size[1], size[0], channels), dtype=torch.uint8,
+                           generator=generator)
     Image.frombytes(mode, size, pixels.numpy().tobytes()).save(path)
     return path
 
@@ -69,7 +70,8 @@ def _expected_probs(model: torch.nn.Module, path: Path, img_size: int = IMG_SIZE
         image = TF.pil_to_tensor(ImageOps.exif_transpose(img).convert("RGB"))
     image = v2.CenterCrop(img_size)(v2.Resize(int(img_size * 256 / 224), antialias=True)(image))
     x = image.float() / 255
-    x = (x - torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    x = ((x - torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1))
+         / torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1))
     with torch.no_grad():
         return model(x.unsqueeze(0)).softmax(dim=1)[0]
 
@@ -97,8 +99,8 @@ def _cli(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
 
 def test_predict_matches_direct_forward(run: dict) -> None:
     # batch_size=2 over 3 images also covers a last, partial batch.
-    preds = list(predict.predict(run["model"], run["images"], CLASSES, IMG_SIZE, torch.device("cpu"),
-                                 top_k=5, batch_size=2))
+    preds = list(predict.predict(run["model"], run["images"], CLASSES, IMG_SIZE,
+                                 torch.device("cpu"), top_k=5, batch_size=2))
 
     assert [p.path for p in preds] == run["images"]
     for pred in preds:
@@ -107,16 +109,19 @@ def test_predict_matches_direct_forward(run: dict) -> None:
         torch.testing.assert_close(pred.probs, expected, atol=1e-5, rtol=1e-4)
         assert pred.probs.sum().item() == pytest.approx(1.0, abs=1e-5)
         assert len(pred.top_k) == len(CLASSES)  # top_k=5 is capped at the 3 classes
-        assert [name for name, _ in pred.top_k] == [CLASSES[i] for i in expected.argsort(descending=True)]
+        assert ([name for name, _ in pred.top_k]
+                == [CLASSES[i] for i in expected.argsort(descending=True)])
 
 
-def test_checkpoint_gives_model_classes_and_img_size(run: dict, capsys: pytest.CaptureFixture) -> None:
+def test_checkpoint_gives_model_classes_and_img_size(run: dict,
+                                                     capsys: pytest.CaptureFixture) -> None:
     # No --model, --img-size or --class-indices: all come from the checkpoint.
     code, lines, err = _main(capsys, "--weights", run["dir"] / "checkpoint.pth", "--top-k", "2",
                              run["dir"] / "images")
 
     assert code == 0, err
-    assert [Path(line.split("\t")[0]) for line in lines] == sorted(run["images"])  # no notes.txt, no hidden
+    # no notes.txt, no hidden file
+    assert [Path(line.split("\t")[0]) for line in lines] == sorted(run["images"])
     for line in lines:
         path, *pairs = line.split("\t")
         parsed = [PAIR.match(pair) for pair in pairs]
@@ -126,8 +131,8 @@ def test_checkpoint_gives_model_classes_and_img_size(run: dict, capsys: pytest.C
         assert [float(m["prob"]) for m in parsed] == pytest.approx(top.values.tolist(), abs=6e-4)
 
 
-def test_full_checkpoint_copied_alone_still_knows_its_classes(run: dict, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture) -> None:
+def test_full_checkpoint_copied_alone_still_knows_its_classes(
+        run: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     weights = tmp_path / "model_best.pth"  # no class_indices.json or args.json near it
     weights.write_bytes((run["dir"] / "checkpoint.pth").read_bytes())
     image = run["images"][0]
@@ -136,7 +141,8 @@ def test_full_checkpoint_copied_alone_still_knows_its_classes(run: dict, tmp_pat
 
     expected = _expected_probs(run["model"], image)
     assert code == 0
-    assert _top1(line) == (CLASSES[expected.argmax()], pytest.approx(expected.max().item(), abs=6e-4))
+    assert _top1(line) == (CLASSES[expected.argmax()],
+                           pytest.approx(expected.max().item(), abs=6e-4))
 
 
 def test_bare_weights_read_the_runs_files_and_flags_override(run: dict, tmp_path: Path,
@@ -149,23 +155,29 @@ def test_bare_weights_read_the_runs_files_and_flags_override(run: dict, tmp_path
     (out / "class_indices.json").write_text((run["dir"] / "class_indices.json").read_text())
     image = run["images"][0]
 
-    (out / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": IMG_SIZE, "epochs": 3}))
+    (out / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": IMG_SIZE,
+                                               "epochs": 3}))
     code, (line,), err = _main(capsys, "--weights", weights, "--top-k", "1", image)
     assert code == 0 and err == []
-    assert _top1(line)[1] == pytest.approx(_expected_probs(run["model"], image).max().item(), abs=6e-4)
+    assert _top1(line)[1] == pytest.approx(_expected_probs(run["model"], image).max().item(),
+                                           abs=6e-4)
 
     # Flags win over args.json, which here names an architecture the weights do not fit.
     (out / "args.json").write_text(json.dumps({"model": "resnet34", "img_size": 224}))
     code, (line,), _ = _main(capsys, "--weights", weights, "--top-k", "1", "--model", "resnet18",
                              "--img-size", "32", image)
     assert code == 0
-    assert _top1(line)[1] == pytest.approx(_expected_probs(run["model"], image, 32).max().item(), abs=6e-4)
+    assert _top1(line)[1] == pytest.approx(_expected_probs(run["model"], image, 32).max().item(),
+                                           abs=6e-4)
 
-    # Nothing recorded: 224 px, said in a warning (a model trained at 64 px would be fed 224 px crops).
+    # Nothing recorded: 224 px, said in a warning (a model trained at 64 px would be fed
+    # 224 px crops).
     (out / "args.json").unlink()
-    code, (line,), err = _main(capsys, "--weights", weights, "--model", "resnet18", "--top-k", "1", image)
+    code, (line,), err = _main(capsys, "--weights", weights, "--model", "resnet18", "--top-k", "1",
+                               image)
     assert code == 0
-    assert _top1(line)[1] == pytest.approx(_expected_probs(run["model"], image, 224).max().item(), abs=6e-4)
+    assert _top1(line)[1] == pytest.approx(_expected_probs(run["model"], image, 224).max().item(),
+                                           abs=6e-4)
     (warning,) = err
     assert warning.startswith("warning: ") and "224 px" in warning and "--img-size" in warning
 
@@ -175,7 +187,8 @@ def test_bad_images_are_reported_and_the_rest_predicted_exit_1(run: dict, tmp_pa
     empty.touch()
     good = run["images"][0]
 
-    result = _cli("--weights", run["dir"] / "checkpoint.pth", run["bad"], good, empty, tmp_path / "typo.jpg")
+    result = _cli("--weights", run["dir"] / "checkpoint.pth", run["bad"], good, empty,
+                  tmp_path / "typo.jpg")
 
     assert result.returncode == 1
     assert [line.split("\t")[0] for line in result.stdout.splitlines()] == [str(good)]
@@ -195,7 +208,8 @@ def _write_classes(path: Path, names: list[str]) -> Path:
 def test_class_count_mismatch_is_one_error_line_exit_2(run: dict, tmp_path: Path) -> None:
     four = _write_classes(tmp_path / "four.json", [*CLASSES, "sunflower"])
 
-    result = _cli("--weights", run["dir"] / "checkpoint.pth", "--class-indices", four, run["images"][0])
+    result = _cli("--weights", run["dir"] / "checkpoint.pth", "--class-indices", four,
+                  run["images"][0])
 
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.splitlines() == [
@@ -250,7 +264,8 @@ def test_format_keeps_one_image_per_line() -> None:
     # A tab or newline in a file or class name would split the line; they are escaped.
     pred = predict.Prediction(Path("/data/a\tb\nc.jpg"), torch.tensor([0.75, 0.25]),
                               [("sun\tflowers", 0.75), ("roses", 0.25)])
-    assert predict.format_prediction(pred) == "/data/a\\tb\\nc.jpg\tsun\\tflowers: 0.750\troses: 0.250"
+    assert (predict.format_prediction(pred)
+            == "/data/a\\tb\\nc.jpg\tsun\\tflowers: 0.750\troses: 0.250")
 
 
 def test_reader_quitting_early_ends_quietly(run: dict) -> None:
@@ -260,7 +275,8 @@ def test_reader_quitting_early_ends_quietly(run: dict) -> None:
     try:
         result = subprocess.run([sys.executable, str(ROOT / "predict.py"), "--weights",
                                  str(run["dir"] / "checkpoint.pth"), str(run["dir"] / "images")],
-                                cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+                                cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                timeout=120)
     finally:
         os.close(write_end)
     assert result.returncode == -13 and result.stderr == ""  # killed by SIGPIPE, as cat would be
