@@ -22,7 +22,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) benchmark.py
+	$(PY) -m benchmarks
 
 # docs/how-it-works.md's figures and numbers, from real CPU training runs (minutes on 2 cores).
 figures: $(VENV)/.installed
