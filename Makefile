@@ -25,7 +25,7 @@ test: lint
 	$(PY) -m pytest -q --durations=15
 
 bench: $(VENV)/.installed
-	$(PY) benchmark.py
+	$(PY) -m benchmarks
 
 # docs/how-it-works.md's figures and numbers, from real CPU training runs (minutes on 2 cores).
 figures: $(VENV)/.installed

@@ -1,4 +1,5 @@
-"""benchmark.py end to end at tiny sizes: every figure lands in the JSON, the chart is a PNG.
+"""``python -m benchmarks`` end to end at tiny sizes: every stage's figures land in the JSON,
+the table has every section, the chart is a PNG.
 
 Timing targets (pipeline >= 1.6x, loop >= 0.95) are not asserted: CI machines are shared and
 noisy. They are proven by a real run with the default sizes (see README).
@@ -11,13 +12,14 @@ import math
 import re
 import statistics
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run
+from conftest import ROOT, run
 from PIL import Image
 
 from model import get_model
@@ -37,7 +39,7 @@ def bench(tmp_path_factory):
     """One tiny benchmark run shared by the checks below: (process, output dir, tmp dir)."""
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "results"
-    proc = run([sys.executable, "benchmark.py", *TINY_BENCH, "--output-dir", str(out),
+    proc = run([sys.executable, "-m", "benchmarks", *TINY_BENCH, "--output-dir", str(out),
                 "--image-dir", str(tmp / "photos")], timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out, tmp
@@ -132,7 +134,8 @@ def test_scaling_figures(report):
     assert summary["step_ms_1_process"] == pytest.approx(2 / results["1"]["img_per_s"] * 1e3)
     all_reduce = summary["all_reduce_ms"]
     assert all_reduce == results["2"]["all_reduce_ms"]
-    assert all_reduce["numel"] == sum(p.numel() for p in get_model("resnet18", num_classes=5).parameters())
+    resnet18 = get_model("resnet18", num_classes=5)
+    assert all_reduce["numel"] == sum(p.numel() for p in resnet18.parameters())
     assert _positive(all_reduce["fp32"]) and _positive(all_reduce["bf16"])
     assert report["peak_memory"]["per_rank"] == {n: e["peak_memory_mib"]
                                                  for n, e in results.items()}
@@ -158,11 +161,11 @@ def test_with_data_figures(report):
     assert data["compute_img_per_s"] == loop["ours_img_per_s"]
     assert data["data_efficiency"] == pytest.approx(
         data["with_data_img_per_s"] / loop["ours_img_per_s"])
-    from benchmark import _data_limit
-    assert data["limited_by"] == _data_limit(data["loader_img_per_s"], data["with_data_img_per_s"],
-                                             data["compute_img_per_s"], data["workers"])
-    assert [_data_limit(50, 49, 100, 2), _data_limit(500, 60, 100, 2),
-            _data_limit(500, 95, 100, 2), _data_limit(500, 60, 100, 0)] == [
+    from benchmarks.with_data import data_limit
+    assert data["limited_by"] == data_limit(data["loader_img_per_s"], data["with_data_img_per_s"],
+                                            data["compute_img_per_s"], data["workers"])
+    assert [data_limit(50, 49, 100, 2), data_limit(500, 60, 100, 2),
+            data_limit(500, 95, 100, 2), data_limit(500, 60, 100, 0)] == [
         "input pipeline", "CPUs shared by the loader workers and training", "compute",
         "loading in the training process (--workers 0)"]
     assert data["target_img_per_s"] is None  # the 5,000 img/s target is an H200's
@@ -172,8 +175,27 @@ def test_run_is_described(report):
     assert report["config"]["model"] == "resnet18" and report["config"]["procs"] == [1, 2]
     assert report["versions"]["torch"] and report["versions"]["torchvision"]
     assert report["host"]["cpu_count"] >= 1 and len(report["host"]["load_avg_start"]) == 3
-    assert report["command"].startswith("python benchmark.py")
+    assert report["command"].startswith("python -m benchmarks")
     assert "--max-procs 2" in report["command"]
+
+
+def _git_describe() -> str:
+    return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_every_number_carries_its_commit(bench, report):
+    # The commit the run measured, "-dirty" when tracked files had uncommitted changes.
+    assert report["versions"]["git_describe"] == _git_describe()
+    assert f"commit: {_git_describe()}" in bench[0].stdout
+
+
+def test_no_git_checkout_records_no_commit(tmp_path, monkeypatch):
+    from benchmarks import report
+
+    monkeypatch.setattr(report, "ROOT", tmp_path)  # a copied folder: not a git repository
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert report.git_describe() is None
 
 
 def test_chart_is_a_png_and_table_is_printed(bench):
@@ -193,10 +215,14 @@ def test_chart_is_a_png_and_table_is_printed(bench):
                     "all-reduce of the", "Training with data", "train_one_epoch fed by the loader",
                     "limited by "):
         assert heading in proc.stdout, heading
-    assert "command: python benchmark.py" in proc.stdout
+    assert "command: python -m benchmarks" in proc.stdout
     assert "[train epoch" not in proc.stdout + proc.stderr  # the loops' progress is not printed
     report = json.loads((out / "benchmark.json").read_text())
     assert f"{report['pipeline']['ratio']:.2f}x" in proc.stdout
+    # The table is the header and each stage's section, in order, formatted from the JSON alone.
+    from benchmarks.__main__ import STAGES, format_table
+    table = format_table(report)
+    assert table in proc.stdout and len(table.split("\n\n")) == 1 + len(STAGES)
 
 
 @pytest.mark.parametrize("flag, value, message", [
@@ -206,18 +232,18 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     ("--grad-accum-steps", "0", "--grad-accum-steps must be at least 1, not 0."),
 ])
 def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
-    import benchmark
+    from benchmarks.__main__ import get_args_parser, main
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
-        benchmark.main(benchmark.get_args_parser().parse_args(
+        main(get_args_parser().parse_args(
             ["--device", "cpu", flag, value, "--output-dir", str(out)]))
     assert exc.value.code == f"error: {message}"  # sys.exit(text): printed, exit status 1
     assert not out.exists()
 
 
 def test_bad_size_from_the_command_line_is_one_line_and_exit_1(tmp_path):
-    proc = run([sys.executable, "benchmark.py", "--device", "cpu", "--steps", "0",
+    proc = run([sys.executable, "-m", "benchmarks", "--device", "cpu", "--steps", "0",
                 "--output-dir", str(tmp_path / "out")], timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == "error: --steps must be at least 1, not 0."
@@ -226,7 +252,7 @@ def test_bad_size_from_the_command_line_is_one_line_and_exit_1(tmp_path):
 
 
 def test_steady_window_times_the_middle_batches_not_the_start_up():
-    from benchmark import _SteadyWindow
+    from benchmarks.with_data import SteadyWindow
 
     class SlowStart:  # like a loader: its first batch waits for a worker to decode a full batch
         def __len__(self) -> int:
@@ -237,15 +263,15 @@ def test_steady_window_times_the_middle_batches_not_the_start_up():
                 time.sleep(0.5 if i == 0 else 0.02)
                 yield i
 
-    window = _SteadyWindow(SlowStart(), skip=2, steps=3, device=torch.device("cpu"))
+    window = SteadyWindow(SlowStart(), skip=2, steps=3, device=torch.device("cpu"))
     assert len(window) == 6 and list(window) == list(range(6))  # every batch passes through
     assert 3 * 0.02 <= window.seconds < 0.4  # batches 3, 4 and 5 arrive inside the window
     with pytest.raises(ValueError, match="the window ends at batch 6: the loader has 6 batches"):
-        _SteadyWindow(SlowStart(), skip=3, steps=3, device=torch.device("cpu"))
+        SteadyWindow(SlowStart(), skip=3, steps=3, device=torch.device("cpu"))
 
 
 def test_photos_are_cached_and_photo_like(tmp_path):
-    from benchmark import make_photos
+    from benchmarks.photos import make_photos
 
     first = make_photos(tmp_path, 2)
     stamps = [Path(p).stat().st_mtime_ns for p in first]
@@ -262,9 +288,11 @@ def test_photos_are_cached_and_photo_like(tmp_path):
 
 
 def test_help_shows_each_default_once(monkeypatch):
-    from benchmark import FLOWER_TRAIN_IMAGES, get_args_parser
+    from benchmarks.__main__ import get_args_parser
+    from benchmarks.scaling import FLOWER_TRAIN_IMAGES
 
-    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps to the terminal: keep each help on one line
+    # argparse wraps to the terminal: keep each help on one line.
+    monkeypatch.setenv("COLUMNS", "400")
     parser = get_args_parser()
     text = parser.format_help()
     # One block per option: its "  --flag" line and the help lines under it.
@@ -275,6 +303,7 @@ def test_help_shows_each_default_once(monkeypatch):
     for flag, block in blocks.items():
         # ArgumentDefaultsHelpFormatter appends one unless the help already names the default.
         assert block.count("(default:") == (0 if flag == "-h" else 1), block
-    assert f"(default: {FLOWER_TRAIN_IMAGES}, flower_photos' training split)" in blocks["--epoch-images"]
+    assert (f"(default: {FLOWER_TRAIN_IMAGES}, flower_photos' training split)"
+            in blocks["--epoch-images"])
     assert "(default: on for CUDA, off for CPU)" in blocks["--amp"]
     assert "(default: False)" in blocks["--compile"]

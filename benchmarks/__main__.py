@@ -1,0 +1,177 @@
+"""Run the benchmark's stages in order, print one table, write benchmark.json and benchmark.png.
+
+    python -m benchmarks                     # CPU: ResNet34 at 64 px, 1 and 2 processes
+    python -m benchmarks --device cuda       # every visible GPU: NCCL, AMP, channels-last
+    python -m benchmarks --device cuda --max-procs 4 --img-size 224 --batch-size 64
+    python -m benchmarks --model resnet18 --img-size 32 --pipeline-images 16 --steps 3  # smoke
+
+What each stage measures is in the package's docstring (``benchmarks/__init__.py``) and in its
+own module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import MODELS
+from multi_train_utils.distributed_utils import COMM_HOOKS
+from utils import DataError, path_flag, write_json_atomic
+
+from . import loop, pipeline, scaling, with_data
+from .photos import default_image_dir
+from .report import header_lines, host_info, load_average, versions, write_chart
+
+log = logging.getLogger("benchmarks")
+
+# Run in this order; a stage may read the parts of the report the stages before it wrote.
+STAGES = (pipeline, loop, scaling, with_data)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable summary printed at the end (also what goes into the docs)."""
+    sections = [header_lines(report), *(stage.table_lines(report) for stage in STAGES)]
+    return "\n\n".join("\n".join(lines) for lines in sections)
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of ``args`` with what "auto" and the defaults mean here decided once, for every
+    stage and rank (each rank picks its own GPU). A flag that cannot work exits with one line."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda was asked for, but CUDA is not available here; "
+                 "use --device cpu (or auto).")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    max_procs = args.max_procs or (torch.cuda.device_count() if use_cuda else 2)
+    if use_cuda and max_procs > torch.cuda.device_count():
+        sys.exit(f"error: --max-procs {max_procs} but only {torch.cuda.device_count()} GPU(s) "
+                 "are visible; lower --max-procs.")
+    for flag, value in (("batch-size", args.batch_size), ("steps", args.steps),
+                        ("repeats", args.repeats), ("pipeline-images", args.pipeline_images),
+                        ("threads", args.threads), ("max-procs", max_procs),
+                        ("warmup-steps", args.warmup_steps),
+                        ("grad-accum-steps", args.grad_accum_steps),
+                        ("img-size", args.img_size), ("pipeline-size", args.pipeline_size),
+                        ("epoch-images", args.epoch_images), ("num-classes", args.num_classes)):
+        if value < 1:
+            sys.exit(f"error: --{flag} must be at least 1, not {value}.")
+    if args.workers is not None and args.workers < 0:
+        sys.exit(f"error: --workers must be 0 or more, not {args.workers}.")
+    try:
+        image_dir = Path(args.image_dir) if args.image_dir else default_image_dir()
+    except DataError as exc:  # no home folder
+        sys.exit(f"error: {exc}")
+    return argparse.Namespace(**{**vars(args), "device": "cuda" if use_cuda else "cpu",
+                                 "max_procs": max_procs, "image_dir": str(image_dir)})
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    command = shlex.join(["python", "-m", "benchmarks", *sys.argv[1:]])
+    log.info("command: %s", command)
+    args = resolve_args(args)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as the training script: fixed input size
+
+    report: dict[str, Any] = {"command": command, "argv": sys.argv,
+                              "config": {**vars(args),
+                                         "procs": scaling.process_counts(args.max_procs)},
+                              "versions": versions(), "host": host_info(device)}
+    for number, stage in enumerate(STAGES, start=1):
+        log.info("stage %d/%d: %s", number, len(STAGES), stage.__name__)
+        report.update(stage.run(args, device, report))
+    report["host"]["load_avg_end"] = load_average()
+
+    write_json_atomic(out / "benchmark.json", report)
+    write_chart(report, out / "benchmark.png")
+    print("\n" + format_table(report), flush=True)
+    print(f"\nwrote {out / 'benchmark.json'} and {out / 'benchmark.png'}", flush=True)
+    return report
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except "(default: None)": those flags say their fallback in the help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Benchmark the input pipeline, training loop, DDP scaling and memory.",
+        formatter_class=_HelpFormatter, add_help=add_help)
+    parser.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
+    parser.add_argument("--img-size", type=int, default=64,
+                        help="training crop for the loop and scaling runs")
+    parser.add_argument("--batch-size", "--batch_size", type=int, default=16,
+                        help="per process (and the batch a pipeline worker collates)")
+    parser.add_argument("--num-classes", type=int, default=5,
+                        help="classifier outputs (the labels are synthetic)")
+    parser.add_argument("--lr", type=float, default=0.001, help="x world size, as in training")
+    parser.add_argument("--pipeline-images", type=int, default=200,
+                        help="JPEGs decoded per pipeline pass")
+    parser.add_argument("--pipeline-size", type=int, default=224,
+                        help="crop of the pipeline comparison (the template's 224)")
+    parser.add_argument("--image-dir", default=None, type=path_flag,
+                        help="where the test JPEGs are generated and cached "
+                             "(default: ddp-template/bench_photos_v1 in $XDG_CACHE_HOME or "
+                             "~/.cache)")
+    parser.add_argument("--gpu-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time decode_jpeg(device='cuda') (default: on with CUDA)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="DataLoader workers of the with-data stage "
+                             "(default: the training script's: CPUs per process - 1 on CUDA, "
+                             "at most 8 on CPU, at most the batch size)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="untimed steps first (at least 1: they start the loader workers "
+                             "and let cuDNN pick its kernels)")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="timed repeats of each measurement (medians and best are reported)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process on CPU (loop and every rank)")
+    parser.add_argument("--max-procs", type=int, default=None,
+                        help="largest process count for scaling "
+                             "(default: visible GPUs, or 2 on CPU)")
+    parser.add_argument("--epoch-images", type=int, default=scaling.FLOWER_TRAIN_IMAGES,
+                        help="images in one epoch for the time-per-epoch chart "
+                             "(default: %(default)s, flower_photos' training split)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: CUDA if available, else the CPU")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                        help="mixed precision (default: on for CUDA, off for CPU)")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                        help="NHWC memory format (default: on for CUDA)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="torch.compile the model (warm-up steps absorb the compile)")
+    parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=True,
+                        help="SyncBatchNorm when distributed, as the training default")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="DDP gradient bucket size")
+    parser.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
+                        help="DDP gradient compression, as the training flag")
+    parser.add_argument("--grad-accum-steps", type=int, default=1,
+                        help="batches per gradient all-reduce in the scaling runs, as the "
+                             "training flag")
+    parser.add_argument("--explain-scaling", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the largest process count without communication "
+                             "(the hardware's ceiling), without SyncBN and with the other "
+                             "comm hooks, and time the all-reduce alone")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the generated photos and the synthetic batches")
+    parser.add_argument("--output-dir", default="benchmark_results", type=path_flag,
+                        help="benchmark.json and benchmark.png go here")
+    return parser
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())
