@@ -25,6 +25,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from multi_train_utils.distributed_utils import cpus_per_process
+from multi_train_utils.guard import ignore_stop_signals
 from multi_train_utils.train_eval_utils import IGNORE_INDEX
 
 try:  # deprecated since torchvision 0.29 in favour of TorchCodec: once gone, PIL decodes all
@@ -255,11 +256,12 @@ def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
 
     Workers stay alive between epochs and keep ``PREFETCH_FACTOR`` batches in flight, so an
     epoch does not start by waiting for them; batches are pinned for the copy to a GPU; a batch
-    that takes ``LOADER_TIMEOUT_S`` (a worker lost, storage hung) raises instead of hanging.
+    that takes ``LOADER_TIMEOUT_S`` (a worker lost, storage hung) raises instead of hanging; the
+    workers ignore stop signals, so a stopping run still gets the batches of its last step.
     """
     kwargs: dict[str, Any] = dict(num_workers=workers, collate_fn=MyDataSet.collate_fn,
                                   pin_memory=device.type == "cuda")
     if workers > 0:  # DataLoader refuses these without workers
         kwargs.update(persistent_workers=True, prefetch_factor=PREFETCH_FACTOR,
-                      timeout=LOADER_TIMEOUT_S)
+                      timeout=LOADER_TIMEOUT_S, worker_init_fn=ignore_stop_signals)
     return kwargs

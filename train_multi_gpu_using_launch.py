@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,19 +28,20 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from model import MODELS, freeze_backbone, get_model
 from multi_train_utils.checkpoint import (claim_output_dir, load_checkpoint, load_pretrained,
                                           move_earlier_run, rerun_hint, restore, resume_path,
-                                          save_epoch, write_metrics)
+                                          save_checkpoint, step_saves, write_metrics)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
                                                  cleanup, cpus_per_process, init_distributed_mode,
                                                  register_comm_hook, run_on_main)
-from multi_train_utils.guard import ConfigError, guarded, signals_deferred
+from multi_train_utils.guard import ConfigError, guarded, stop_requests
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import (evaluate, format_report, resolve_amp_dtype,
-                                               train_one_epoch)
+from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
+                                               format_report, resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
-from utils import (BoolFlag, HelpFormatter, default_demo_root, get_transforms, label_by_class_name,
-                   log_epoch, make_demo_data, number, path_flag, scan_image_folder,
-                   split_train_val, tensorboard_writer, write_json_atomic, write_scan_files)
+from utils import (BoolFlag, HelpFormatter, default_demo_root, epoch_record, get_transforms,
+                   label_by_class_name, log_epoch, make_demo_data, number, path_flag,
+                   scan_image_folder, split_train_val, tensorboard_writer, write_json_atomic,
+                   write_scan_files)
 
 log = logging.getLogger("train")
 
@@ -80,9 +82,10 @@ def main(args: argparse.Namespace) -> None:
     train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
                           skip_log=skip_log, replace_unreadable=True)
     val_set = MyDataSet(val_paths, val_labels, transforms["val"], skip_log=skip_log)
-    # Each rank draws its own 1/N of a permutation that changes every epoch (set_epoch); the
-    # validation sampler pads to a multiple of N, and evaluate() drops the padding again.
-    train_sampler = DistributedSampler(train_set, info.world_size, info.rank, seed=args.seed)
+    # Each rank draws its own 1/N of a permutation that changes every epoch (set_epoch; in an
+    # epoch a stop interrupted, only its rest); the validation sampler pads to a multiple of N,
+    # and evaluate() drops the padding again.
+    train_sampler = ResumableSampler(train_set, info.world_size, info.rank, seed=args.seed)
     val_sampler = DistributedSampler(val_set, info.world_size, info.rank, shuffle=False)
     # drop_last: every rank takes the same number of steps, or DDP would wait for a missing one.
     train_batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=True)
@@ -131,11 +134,11 @@ def main(args: argparse.Namespace) -> None:
         return (1 + math.cos(epoch * math.pi / args.epochs)) / 2 * (1 - args.lrf) + args.lrf
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine)
 
-    # 5. Resume: weights, optimizer, RNG and the schedule's place, from the last complete epoch.
-    start_epoch, best_acc, best_loss, history = 0, 0.0, math.inf, []
+    # 5. Resume: weights, optimizer, RNG, the schedule's place and the epoch's (its next batch).
+    start_epoch, best_acc, best_loss, history, progress = 0, 0.0, math.inf, [], EpochProgress()
     if ckpt_path:
         ckpt = load_checkpoint(ckpt_path, args, classes)
-        start_epoch, best_acc, best_loss, history = restore(
+        start_epoch, best_acc, best_loss, history, progress = restore(
             ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
     if args.eval_only:
         result = evaluate(model, val_loader, device, amp_dtype=amp_dtype,
@@ -156,40 +159,42 @@ def main(args: argparse.Namespace) -> None:
              optimizer.param_groups[0]["lr"], workers, amp_dtype, start_epoch, args.epochs - 1)
 
     # 6. Epochs. set_epoch reshuffles; the loss and accuracy are already reduced over all ranks.
-    for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)
-        train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
-        t0 = time.perf_counter()
-        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, scaler=scaler,
-                                     amp_dtype=amp_dtype, grad_accum_steps=args.grad_accum_steps,
-                                     clip_grad_norm=args.clip_grad_norm,
-                                     print_freq=args.print_freq, channels_last=channels_last)
-        train_seconds = time.perf_counter() - t0
-        lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
-        result = evaluate(model, val_loader, device, amp_dtype=amp_dtype,
-                          channels_last=channels_last)
-        record = {"epoch": epoch, "train_loss": round(train_loss, 6),
-                  "val_acc": round(result.top1, 6), "val_loss": round(result.loss, 6),
-                  "val_top5": None if result.top5 is None else round(result.top5, 6), "lr": lr,
-                  "epoch_seconds": round(time.perf_counter() - t0, 3),
-                  "train_images_per_sec": round(len(train_loader) * args.batch_size
-                                                * info.world_size / train_seconds, 2)}
-        history.append(record)
-        # A tie in accuracy, usual on a small validation set, goes to the lower loss.
-        is_best = (result.top1, -result.loss) > (best_acc, -best_loss)
-        if is_best:
-            best_acc, best_loss = result.top1, result.loss
-        log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
-                 "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record))
-        state = {"epoch": epoch, "best_acc": best_acc, "best_loss": best_loss, "classes": classes,
-                 "args": run_args(args, info, images_per_step), "metrics": history}
-        with signals_deferred():  # a stop signal waits until the epoch is on disk
-            save_epoch(out, model_without_ddp, optimizer, scaler, state, record, is_best,
-                       args.keep_last)  # every rank: FSDP gathers the whole model to rank 0
-        if writer:  # the confusion matrix once, at the end
-            last = epoch == args.epochs - 1
-            log_epoch(writer, record, classes, result.confusion if last else None)
+    # A stop signal asks to stop: the ranks agree on an optimizer step, save where the epoch
+    # stands and exit; the same command continues at that batch (docs/resume-and-restarts.md).
+    with stop_requests() as stop:
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch, skip=progress.samples)  # a stopped epoch: its rest
+            train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
+            state = {"epoch": epoch, "best_acc": best_acc, "best_loss": best_loss,
+                     "classes": classes, "args": run_args(args, info, images_per_step),
+                     "metrics": history}
+            save = partial(save_checkpoint, out, model_without_ddp, optimizer, scaler, state)
+            t0 = time.perf_counter()
+            train_loss = train_one_epoch(
+                model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
+                grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
+                print_freq=args.print_freq, channels_last=channels_last, progress=progress,
+                after_step=step_saves(stop, save, every=args.save_every_steps))
+            if progress.stopped:  # saved at the step every rank stopped after
+                stop.stop()
+            train_seconds, lr = time.perf_counter() - t0, optimizer.param_groups[0]["lr"]
+            scheduler.step()
+            result = evaluate(model, val_loader, device, amp_dtype=amp_dtype,
+                              channels_last=channels_last)
+            images = len(train_loader) * args.batch_size * info.world_size
+            record = epoch_record(epoch, train_loss, result, lr, time.perf_counter() - t0,
+                                  images_per_sec=images / train_seconds)
+            history.append(record)
+            is_best = (result.top1, -result.loss) > (best_acc, -best_loss)  # a tie: lower loss
+            if is_best:
+                best_acc, best_loss = result.top1, result.loss
+            state.update(best_acc=best_acc, best_loss=best_loss)
+            save(record=record, is_best=is_best, keep_last=args.keep_last)  # every rank saves
+            if writer:  # the confusion matrix once, at the end
+                log_epoch(writer, record, classes, result.confusion, epoch + 1 == args.epochs)
+            if epoch + 1 < args.epochs and stop.poll(lag=False):  # during evaluation or the save
+                stop.stop()
+            progress = EpochProgress()
     cleanup()
 
 
@@ -278,6 +283,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                        help="auto: <output-dir>/checkpoint.pth if there; none; or a checkpoint")
     group.add_argument("--keep-last", type=number(int, 0), default=0,
                        help="keep the newest K weights/model-N.pth (0: all)")
+    group.add_argument("--save-every-steps", type=number(int, 0), default=0,
+                       help="also save mid-epoch every K optimizer steps (0: at signals only)")
     group.add_argument("--eval-only", action=BoolFlag, default=False,
                        help="evaluate the --resume/--weights model and exit")
     group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")

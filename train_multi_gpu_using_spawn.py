@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import find_free_port
-from multi_train_utils.guard import EXIT_USER_ERROR, guarded
+from multi_train_utils.guard import EXIT_USER_ERROR, STOP_SIGNALS, guarded
 from multi_train_utils.checkpoint import rerun_hint
 from train_multi_gpu_using_launch import get_args_parser, main
 
@@ -77,14 +77,15 @@ def launch(args: argparse.Namespace) -> None:
     stopped: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
-        # Each process unwinds on SIGTERM: its epoch saved or not, its group destroyed.
+        # Each process finishes the step the ranks agree on, saves it and exits (a second
+        # signal: at once), as under torchrun, which passes signals on the same way.
         stopped.append(signum)
         for process in context.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+                os.kill(process.pid, signum)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, forward)
     try:
         while not context.join():
             pass

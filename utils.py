@@ -331,12 +331,25 @@ def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.
     return writer
 
 
+def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds: float,
+                 images_per_sec: float) -> dict[str, Any]:
+    """An epoch's line of ``metrics.jsonl`` (``result``: its ``evaluate()``), logged."""
+    record = {"epoch": epoch, "train_loss": round(train_loss, 6), "val_acc": round(result.top1, 6),
+              "val_loss": round(result.loss, 6),
+              "val_top5": None if result.top5 is None else round(result.top5, 6), "lr": lr,
+              "epoch_seconds": round(seconds, 3), "train_images_per_sec": round(images_per_sec, 2)}
+    log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
+             "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record))
+    return record
+
+
 def log_epoch(writer: Any, record: dict[str, Any], classes: Sequence[str],
-              confusion: torch.Tensor | None = None) -> None:
-    """An epoch's numbers (a ``metrics.jsonl`` record) as scalars, and ``confusion`` if given."""
+              confusion: torch.Tensor, last: bool) -> None:
+    """An epoch's numbers (a ``metrics.jsonl`` record) as scalars; at the ``last`` epoch the
+    ``confusion`` matrix too."""
     for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
         writer.add_scalar(tag, record[tag], record["epoch"])
-    if confusion is not None:
+    if last:
         writer.add_figure("confusion_matrix", confusion_figure(confusion, classes))
     writer.flush()
 

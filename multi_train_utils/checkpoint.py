@@ -17,6 +17,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .distributed_utils import all_gather_object, all_ranks_ok, is_main_process
-from .guard import UserError
+from .distributed_utils import (all_gather_object, all_ranks_ok, get_world_size,
+                                is_main_process, reduce_value)
+from .guard import StopRequest, UserError, signals_deferred
+from .train_eval_utils import EpochProgress
 
 log = logging.getLogger("train")
 RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "tensorboard",
@@ -255,9 +258,12 @@ def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
-            images_per_step: int, rank: int) -> tuple[int, float, float, list[dict]]:
+            images_per_step: int, rank: int
+            ) -> tuple[int, float, float, list[dict], EpochProgress]:
     """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
-    schedule at the next epoch. Returns (start epoch, best acc, best val loss, metrics so far).
+    schedule at the next epoch, or at the epoch a stop interrupted. Returns (start epoch, best
+    acc, best val loss, metrics so far, where the start epoch stands: its beginning, or the
+    batch it was stopped at, with the loss summed so far given to rank 0).
 
     The schedule is laid out anew, so a resume with more ``--epochs`` follows the longer
     cosine. If the images per optimizer step changed (processes x batch x accumulation), the
@@ -273,8 +279,17 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     rng = ckpt.get("rng_states") or []
     if rank < len(rng):
         restore_rng_state(rng[rank])
-    start = ckpt["epoch"] + 1
-    saved = ckpt.get("args", {})
+    saved, part = ckpt.get("args", {}), ckpt.get("in_epoch")
+    start, progress = ckpt["epoch"] + (0 if part else 1), EpochProgress()
+    if part:
+        loss = [part["loss_sum"], part["count"]] if rank == 0 else [0.0, 0.0]
+        progress = EpochProgress(part["batches"], part["samples"], part["batches_in_epoch"],
+                                 torch.tensor(loss, dtype=torch.float64))
+        if rank == 0:
+            moved = saved.get("world_size", get_world_size()) != get_world_size()
+            log.info("resuming from epoch %d, step %d of %d%s", start, part["batches"],
+                     part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
+                     f"of its samples go to these {get_world_size()}" if moved else "")
     factor = images_per_step / saved.get("images_per_step", images_per_step)
     if factor != 1 and saved.get("scale_lr", True):
         if rank == 0:
@@ -289,33 +304,72 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
                                       scheduler.lr_lambdas):
         group["lr"] = base * lr_lambda(start)
     history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start]
-    return start, ckpt.get("best_acc", 0.0), ckpt.get("best_loss", math.inf), history
+    return start, ckpt.get("best_acc", 0.0), ckpt.get("best_loss", math.inf), history, progress
 
 
-def save_epoch(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-               scaler: torch.amp.GradScaler, state: dict[str, Any], record: dict[str, Any],
-               is_best: bool, keep_last: int = 0) -> None:
-    """Every rank calls it (FSDP gathers the shards, and the RNG states are gathered); rank 0
-    adds the whole model and optimizer state to ``state`` (epoch, metrics, ...) and writes the
-    epoch's weights, best model, checkpoint (last: it marks the epoch done) and metrics line."""
-    weights, optimizer_state = whole_state(model, optimizer)
-    rng_states = all_gather_object(capture_rng_state())
-    if not is_main_process():
-        return
-    state = {"model": weights, "optimizer": optimizer_state, **state, "rng_states": rng_states}
-    if scaler.is_enabled():
-        state["scaler"] = scaler.state_dict()
+def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, state: dict[str, Any], *,
+                    record: dict[str, Any] | None = None, is_best: bool = False,
+                    keep_last: int = 0, progress: EpochProgress | None = None) -> None:
+    """Every rank calls it (FSDP gathers the shards; the RNG states and loss sums are gathered)
+    and rank 0 adds the whole model and optimizer state to ``state`` (epoch, metrics, ...). At an
+    epoch's end (``record``, its metrics line) it writes the epoch's weights, the best model,
+    ``checkpoint.pth`` (last: it marks the epoch done) and the metrics line; part-way through
+    (``progress``) only ``checkpoint.pth``, with where the epoch stands. A stop signal waits
+    until the files are on disk: a save takes seconds, launchers wait longer before SIGKILL."""
+    with signals_deferred():
+        weights, optimizer_state = whole_state(model, optimizer)
+        rng_states = all_gather_object(capture_rng_state())
+        if progress is not None:
+            loss_sum, count = reduce_value(progress.loss, average=False).tolist()
+            state = {**state, "in_epoch": {
+                "batches": progress.batches, "batches_in_epoch": progress.batches_in_epoch,
+                "samples": progress.samples, "loss_sum": loss_sum, "count": count}}
+        if is_main_process():
+            state = {"model": weights, "optimizer": optimizer_state, **state,
+                     "rng_states": rng_states}
+            if scaler.is_enabled():
+                state["scaler"] = scaler.state_dict()
+            _write(out, state, record, is_best, keep_last)
+
+
+def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_best: bool,
+           keep_last: int) -> None:
     epoch = state["epoch"]
-    save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
+    if record is not None:
+        save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
     if is_best:
         save_atomic(state, out / "model_best.pth")
     save_atomic(state, out / "checkpoint.pth")
+    if record is None:
+        return
     with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
     numbered = sorted(int(m.group(1)) for p in (out / "weights").glob("model-*.pth")
                       if (m := re.fullmatch(r"model-(\d+)\.pth", p.name)))
     for old in numbered[:-keep_last] if keep_last else []:
         (out / "weights" / f"model-{old}.pth").unlink()
+
+
+def step_saves(stop: StopRequest, save: Callable[..., None], every: int = 0
+               ) -> Callable[[EpochProgress], bool]:
+    """``train_one_epoch``'s ``after_step``: every ``every`` optimizer steps (0: never) and at
+    the step the ranks agree to stop on (a signal, :meth:`StopRequest.poll`), ``save(progress=
+    ...)`` where the epoch stands; then, for a stop, it ends the epoch there."""
+    steps = 0
+
+    def after_step(progress: EpochProgress) -> bool:
+        nonlocal steps
+        steps += 1
+        stopping = stop.poll()
+        if stopping or (every and steps % every == 0):
+            save(progress=progress)
+        if stopping:  # every rank says where it stopped: the same step
+            log.warning("stopping after step %d of %d of the epoch, saved", progress.batches,
+                        progress.batches_in_epoch)
+        return stopping
+
+    return after_step
 
 
 def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:

@@ -3,9 +3,11 @@
     guarded(main, args, rerun_hint=lambda: "run the same command again")
 
 - A user's mistake (``UserError``: flags, data, files) is one ``error: ...`` line, exit code 2.
-- Ctrl-C and SIGTERM (torchrun, SLURM, ``kill``) unwind like a KeyboardInterrupt, so every
-  ``finally`` runs, the DataLoader workers stop and the process group is destroyed: nothing is
-  left behind. Exit code 130 / 143, and one line saying how to continue.
+- A stop signal (Ctrl-C, SIGTERM from torchrun, SLURM or ``kill``, SIGUSR1/SIGUSR2) unwinds
+  like a KeyboardInterrupt, so every ``finally`` runs, the DataLoader workers stop and the process
+  group is destroyed: nothing is left behind. Exit code 128 + the signal (130 for SIGINT, 143
+  for SIGTERM), and one line saying how to continue. Inside ``stop_requests()`` (training) the
+  first one only asks to stop: see :class:`StopRequest`.
 - torch's own run failures (a lost peer, a collective past ``--dist-timeout``, a DataLoader
   worker that died or sent nothing for its timeout, a full disk) are torch's first line plus how
   to continue, exit code 1. Anything else is a bug and keeps its traceback.
@@ -17,17 +19,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger("train")
 EXIT_USER_ERROR = 2
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+                     if hasattr(signal, name))  # Windows has neither SIGUSR
+# A signal this soon after the first is the same stop, passed on: torchrun under srun gets
+# SLURM's SIGTERM and forwards it to ranks that got it too.
+SAME_STOP_S = 0.5
+_received: list[int] = []  # the stop signals this process got, in order: the first is the cause
 
 
 class UserError(Exception):
@@ -84,6 +94,93 @@ def signals_deferred() -> Iterator[None]:
         signal.raise_signal(pending[0])  # now the usual handler takes it
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader ``worker_init_fn``: the workers ignore stop signals (a terminal's Ctrl-C and
+    SLURM reach every process) and keep delivering the batches of the steps before the stop;
+    they end when their training process does."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+class StopRequest:
+    """Within :func:`stop_requests`: the first stop signal a rank gets only sets :attr:`signum`;
+    training goes on to an optimizer step at which all ranks agree to stop (:meth:`poll`, after
+    every step), saves there and exits. A second signal, from half a second on, stops at once.
+
+    Often only some ranks are signalled (``kill`` of one pid, ``scancel`` of one node): every
+    rank all-reduces its flag (MAX) after each optimizer step, so all read the same answer at the
+    same step. The flag travels on the CPU (gloo, a group of its own under NCCL), so the GPU is
+    never waited for; under NCCL the answer read is the previous step's, so the host does not
+    wait for the network either: a run stops one step later there.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0  # the first stop signal this rank got, or 0
+        self.agreed = 0  # the signal all ranks agreed to stop on, or 0
+        self._first_at = 0.0
+        self._group: Any = None
+        self._lag = 0  # steps between an all-reduce and reading its answer
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self.previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.signum:
+            self.signum, self._first_at = signum, time.monotonic()
+            _received.append(signum)
+            log.warning("%s: stopping after an optimizer step all ranks agree on, once it is "
+                        "saved (a second signal stops at once)", signal.Signals(signum).name)
+        elif time.monotonic() - self._first_at > SAME_STOP_S:
+            self.previous[signum](signum, frame)  # stop at once, as outside training
+
+    def _all_reduce(self) -> None:
+        if self._group is None:  # the first call, at the same step on every rank
+            nccl = dist.get_backend() == "nccl"
+            self._group = dist.new_group(backend="gloo") if nccl else dist.group.WORLD
+            self._lag = 1 if nccl else 0
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending.append((work, flag))
+
+    def _answer(self, keep: int) -> int:
+        agreed = 0
+        while len(self._pending) > keep:
+            work, flag = self._pending.pop(0)
+            work.wait()
+            agreed = max(agreed, int(flag))
+        return agreed
+
+    def poll(self, lag: bool = True) -> bool:
+        """Call on every rank after every optimizer step: whether to stop now, the same answer
+        on every rank at the same call. ``lag=False`` (at an epoch's end): no step's delay."""
+        if dist.is_available() and dist.is_initialized():
+            self._all_reduce()
+            self.agreed = self._answer(keep=self._lag if lag else 0)
+        else:
+            self.agreed = self.signum
+        return bool(self.agreed)
+
+    def stop(self) -> NoReturn:
+        """End the run as the agreed signal would (exit code 128 + it), once it is saved."""
+        raise KeyboardInterrupt(signal.Signals(self.agreed).name)
+
+
+@contextlib.contextmanager
+def stop_requests() -> Iterator[StopRequest]:
+    """The block (training) takes stop signals as requests: see :class:`StopRequest`."""
+    request = StopRequest()
+    for signum in STOP_SIGNALS:
+        handler = signal.getsignal(signum)
+        if handler is not signal.SIG_IGN:  # ignored stays ignored (nohup ... &)
+            request.previous[signum] = handler if callable(handler) else _exit_at_once
+            signal.signal(signum, request._on_signal)
+    try:
+        yield request
+        request._answer(keep=0)  # no collective left in flight when the group goes
+    finally:
+        for signum, handler in request.previous.items():
+            signal.signal(signum, handler)
+
+
 def _exit_at_once(signum: int, frame: Any) -> None:
     # Already stopping: a second signal (torchrun signals the whole group) must not turn the
     # clean-up into a traceback.
@@ -108,8 +205,12 @@ def _first_line(exc: BaseException) -> str:
 
 def _stop(code: int, message: str, *, say: bool, rank: int) -> NoReturn:
     """The process's last line (no timestamp: it is the answer, not a log), then exit."""
-    signal.signal(signal.SIGTERM, _exit_at_once)
-    signal.signal(signal.SIGINT, _exit_at_once)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _exit_at_once)
+    if hasattr(signal, "SIGCHLD"):  # POSIX: torch's handler would call their end an error
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+    for child in multiprocessing.active_children():  # loader workers, which ignore SIGTERM
+        child.kill()
     if say:
         print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -126,15 +227,16 @@ def guarded(main: Callable[[Any], None], args: Any,
     setup_logging(rank)
     if "TORCHELASTIC_RUN_ID" in os.environ or "DDP_SPAWNED" in os.environ:
         die_with_launcher()
-    received: list[str] = []  # the first stop signal: a peer lost after it is its doing
+    received = _received  # the first stop signal: a peer lost after it is its doing
+    received.clear()
 
     def on_signal(signum: int, frame: Any) -> None:
-        received.append(signal.Signals(signum).name)
+        received.append(signum)
         if hasattr(signal, "SIGCHLD"):  # POSIX
             # The DataLoader workers stop too (the launcher signals them all); torch's SIGCHLD
             # handler would raise "worker killed" in the middle of the clean-up.
             signal.signal(signal.SIGCHLD, lambda *_: None)
-        raise KeyboardInterrupt(received[0])
+        raise KeyboardInterrupt(signal.Signals(received[0]).name)
 
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     for signum, handler in previous.items():
@@ -145,13 +247,15 @@ def guarded(main: Callable[[Any], None], args: Any,
     except UserError as exc:  # every rank raises it: said once per machine
         _stop(EXIT_USER_ERROR, f"error: {exc}", say=local_rank == 0, rank=rank)
     except KeyboardInterrupt as exc:
-        name = received[0] if received else str(exc) or "SIGINT"
-        _stop(143 if name == "SIGTERM" else 130, f"interrupted by {name}; {rerun_hint()}.",
+        # Ours, else the signal the ranks agreed to stop on (StopRequest.stop), else Ctrl-C.
+        name = signal.Signals(received[0]).name if received else str(exc)
+        name = name if name in signal.Signals.__members__ else "SIGINT"
+        _stop(128 + signal.Signals[name], f"interrupted by {name}; {rerun_hint()}.",
               say=rank == 0, rank=rank)
     except Exception as exc:
         if received:  # a peer, or a loader worker, stopped on the same signal first
-            _stop(143 if received[0] == "SIGTERM" else 130,
-                  f"interrupted by {received[0]}; {rerun_hint()}.", say=rank == 0, rank=rank)
+            _stop(128 + received[0], f"interrupted by {signal.Signals(received[0]).name}; "
+                  f"{rerun_hint()}.", say=rank == 0, rank=rank)
         if not _is_run_failure(exc):
             raise
         _stop(1, f"error: {_first_line(exc)} ({type(exc).__name__}); {rerun_hint()}.",

@@ -15,7 +15,8 @@ import math
 import numbers
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -149,38 +150,99 @@ def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator
     yield ahead
 
 
+@dataclass
+class EpochProgress:
+    """How far an epoch got, kept up to date by :func:`train_one_epoch`: the batches trained on
+    each rank (of ``batches_in_epoch``), the samples trained over all ranks (a prefix of the
+    sampler's order), this rank's ``(loss sum, sample count)``, and whether ``after_step`` ended
+    it early. Saved mid-epoch, it lets a rerun continue at that batch (:class:`ResumableSampler`
+    deals the rest)."""
+
+    batches: int = 0
+    samples: int = 0
+    batches_in_epoch: int = 0
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    stopped: bool = False
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` whose epoch can start part-way, for a run that continues a stopped
+    epoch: after ``set_epoch(epoch, skip=k)`` it deals out only what follows the first ``k``
+    samples of that epoch's order, and skips those as indices (none is read or decoded). The
+    order (the seed's and epoch's permutation) depends on neither the rank nor the world size,
+    so the rest can go to another number of ranks: round-robin as the whole epoch would, padded
+    (or cut, ``drop_last``) to equal shares as ``DistributedSampler`` does. With the same world
+    size each rank gets exactly the rest of what it would have had."""
+
+    skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip  # for this epoch only: the next set_epoch deals a whole one
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.skip:
+            return super().__iter__()
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(
+                self.seed + self.epoch)).tolist()
+        size = len(self) * self.num_replicas
+        rest = (order[self.skip:] + order * -(-size // len(order)))[:size]  # padded with its start
+        return iter(rest[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        if not self.skip:
+            return super().__len__()
+        rest = max(0, len(self.dataset) - self.skip)
+        return rest // self.num_replicas if self.drop_last else -(-rest // self.num_replicas)
+
+
+def _batches(data_loader: DataLoader, grad_accum_steps: int, print_freq: int) -> int:
+    for name, value in (("grad_accum_steps", grad_accum_steps), ("print_freq", print_freq)):
+        if not (isinstance(value, numbers.Integral) and value >= 1):
+            raise ValueError(f"train_one_epoch: {name} must be an integer >= 1, got {value!r}.")
+    try:
+        return len(data_loader)  # it sets the last accumulation group
+    except TypeError:
+        raise TypeError("train_one_epoch needs a data loader with a length; give the "
+                        "IterableDataset a __len__ (its batches per rank).") from None
+
+
 def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                     device: torch.device, epoch: int, *,
                     scaler: torch.amp.GradScaler | None = None,
                     amp_dtype: torch.dtype | None = None, grad_accum_steps: int = 1,
                     clip_grad_norm: float | None = None, print_freq: int = 50,
-                    channels_last: bool = False) -> float:
+                    channels_last: bool = False, progress: EpochProgress | None = None,
+                    after_step: Callable[[EpochProgress], bool] | None = None) -> float:
     """One pass over ``data_loader``; returns the mean cross-entropy over every rank's samples.
 
     The model maps ``(N, ...)`` to logits ``(N, C)``. ``grad_accum_steps`` K: the optimizer
     steps every K batches (and after the last) on their mean gradient; DDP skips its all-reduce
     on the other K-1 (``gradient_sync``: DDP's ``no_sync`` or FSDP's
     ``set_requires_gradient_sync``). Progress: tqdm on rank 0 in a terminal, else (SLURM, nohup)
-    a log line every ``print_freq`` steps. A non-finite loss raises on every rank."""
-    for name, value in (("grad_accum_steps", grad_accum_steps), ("print_freq", print_freq)):
-        if not (isinstance(value, numbers.Integral) and value >= 1):
-            raise ValueError(f"train_one_epoch: {name} must be an integer >= 1, got {value!r}.")
-    try:
-        steps = len(data_loader)  # it sets the last accumulation group
-    except TypeError:
-        raise TypeError("train_one_epoch needs a data loader with a length; give the "
-                        "IterableDataset a __len__ (its batches per rank).") from None
+    a log line every ``print_freq`` steps. A non-finite loss raises on every rank.
+
+    ``progress`` (updated in place) continues a stopped epoch: the loader then deals only its
+    rest. ``after_step(progress)`` runs on every rank after each optimizer step but the epoch's
+    last; when it returns True the epoch ends there, with ``progress.stopped`` set."""
+    steps = _batches(data_loader, grad_accum_steps, print_freq)
+    progress = progress if progress is not None else EpochProgress()
+    first, samples, world = progress.batches, progress.samples, get_world_size()
+    progress.batches_in_epoch = first + steps
+    progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
     model.train()
     loss_function = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
-    totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss sum, sample count
-    mean_loss = float("nan")
+    mean_loss = _mean_loss(totals, epoch, first, print_freq) if steps == 0 else float("nan")
     optimizer.zero_grad(set_to_none=True)
     bar = is_main_process() and sys.stdout.isatty()
     # On CUDA the next batch is copied while this one trains.
-    progress = tqdm(prefetch_to_device(data_loader, device), total=steps, file=sys.stdout,
-                    disable=not bar, desc=f"[train epoch {epoch}]", dynamic_ncols=True)
+    batches = tqdm(prefetch_to_device(data_loader, device), total=first + steps, initial=first,
+                   file=sys.stdout, disable=not bar, desc=f"[train epoch {epoch}]",
+                   dynamic_ncols=True)
     start, seen = time.perf_counter(), 0
-    for step, batch in enumerate(progress):
+    for step, batch in enumerate(batches):
         images, labels = _unpack(batch, "train_one_epoch")
         seen += labels.shape[0]
         images = prepare_images(images, device, channels_last=channels_last)
@@ -203,22 +265,33 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         totals += torch.stack([loss.detach().double() * n_valid, n_valid.double()])
         if last_micro:
             _optimizer_step(model, optimizer, scaler, clip_grad_norm)
-        if (step + 1) % print_freq == 0 or step + 1 == steps:
-            loss_sum, count = reduce_value(totals, average=False).tolist()
-            mean_loss = loss_sum / count if count else float("nan")
-            if not math.isfinite(mean_loss):  # the same reduced value: every rank raises
-                raise FloatingPointError(
-                    f"loss is {mean_loss} at epoch {epoch} step {step} (checked every "
-                    f"{print_freq} steps); lower the learning rate (--lr) or check the data.")
+            progress.batches, progress.samples = first + step + 1, samples + seen * world
+            if step + 1 < steps and after_step is not None and after_step(progress):
+                progress.stopped = True
+        if progress.stopped or (step + 1) % print_freq == 0 or step + 1 == steps:
+            mean_loss = _mean_loss(totals, epoch, first + step, print_freq)
             lr = optimizer.param_groups[0]["lr"]
-            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
+            batches.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
             if is_main_process() and not bar:
                 elapsed = time.perf_counter() - start
                 eta = round(elapsed / (step + 1) * (steps - step - 1))
                 log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
-                         "process  eta %d:%02d", epoch, step + 1, steps, mean_loss, lr,
-                         seen / elapsed, eta // 60, eta % 60)
+                         "process  eta %d:%02d", epoch, first + step + 1, first + steps,
+                         mean_loss, lr, seen / elapsed, eta // 60, eta % 60)
+        if progress.stopped:
+            break
     return mean_loss  # the last step always reduced: no second all-reduce
+
+
+def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> float:
+    """The mean loss over every rank's samples so far; a non-finite one raises on every rank."""
+    loss_sum, count = reduce_value(totals, average=False).tolist()
+    mean_loss = loss_sum / count if count else float("nan")
+    if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
+        raise FloatingPointError(
+            f"loss is {mean_loss} at epoch {epoch} step {step} (checked every {print_freq} "
+            "steps); lower the learning rate (--lr) or check the data.")
+    return mean_loss
 
 
 def _forward(model: nn.Module, images: torch.Tensor) -> Any:

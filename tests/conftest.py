@@ -9,6 +9,7 @@
 - ``probe``: a wrapper run in place of the script that records, per rank, what DDP wrapped, what
   each DistributedSampler handed out and what each evaluate() returned.
 - ``reference_run``: one uninterrupted 3-epoch torchrun run; resumed runs must end equal to it.
+- ``STOPPER``/``make_stopper``: a signal sent at an exact optimizer step, or in an evaluation.
 """
 
 from __future__ import annotations
@@ -478,3 +479,53 @@ def make_probe(folder: Path) -> SimpleNamespace:
 @pytest.fixture
 def probe(tmp_path) -> SimpleNamespace:
     return make_probe(tmp_path)
+
+
+# ---------------------------------------------------------------- a signal at an exact step
+STOPPER = r"""
+# After this process's $STOP_AFTER-th optimizer step (or in its $STOP_AFTER-th evaluate(), with
+# STOP_IN=eval), on rank $STOP_RANK (default 0) and only in a run's first attempt, sends
+# $STOP_SIGNAL (default SIGTERM) to $STOP_TARGET: "self", "parent" (torchrun, which passes it
+# on to every rank), "twice" (self, and again 0.6 s later) or "kill" (SIGKILL to self).
+import os, signal, time
+import multi_train_utils.train_eval_utils as _loop
+
+_armed = [os.environ.get("RANK", "0") == os.environ.get("STOP_RANK", "0")
+          and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"]
+_steps, _evals, _in_eval = [0], [0], os.environ.get("STOP_IN") == "eval"
+
+def _fire():
+    _armed[0] = False
+    sig = getattr(signal, os.environ.get("STOP_SIGNAL", "SIGTERM"))
+    target = os.environ.get("STOP_TARGET", "self")
+    if target == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getppid() if target == "parent" else os.getpid(), sig)
+    if target == "twice":
+        time.sleep(0.6)
+        os.kill(os.getpid(), sig)
+
+_step, _evaluate = _loop._optimizer_step, _loop.evaluate
+
+def _counted_step(*args, **kwargs):
+    _step(*args, **kwargs)
+    _steps[0] += 1
+    if _armed[0] and not _in_eval and _steps[0] == int(os.environ["STOP_AFTER"]):
+        _fire()
+
+def _evaluate_then_stop(*args, **kwargs):
+    _evals[0] += 1
+    if _armed[0] and _in_eval and _evals[0] == int(os.environ["STOP_AFTER"]):
+        _fire()
+    return _evaluate(*args, **kwargs)
+
+_loop._optimizer_step, _loop.evaluate = _counted_step, _evaluate_then_stop
+"""
+
+
+def make_stopper(folder: Path) -> str:
+    """A script that runs the script after it with :data:`STOPPER` in place (for torchrun)."""
+    script = folder / "stopper.py"
+    script.write_text(f"import runpy, sys\nsys.path.insert(0, {str(ROOT)!r})\n{STOPPER}\n"
+                      "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return str(script)

@@ -17,10 +17,8 @@
 from __future__ import annotations
 
 import copy
-import os
 import signal
 import sys
-import time
 
 import pytest
 import torch
@@ -29,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from conftest import (LAUNCH, SPAWN, ProcessTree, assert_user_error, clone_run, epochs_done,
-                      flags, load_ckpt, proc_env, read_metrics, run, torchrun_cmd)
+                      flags, load_ckpt, make_stopper, read_metrics, run, torchrun_cmd)
 from dist_helpers import run_ranks
 from model import get_model
 from multi_train_utils.checkpoint import whole_state
@@ -183,19 +181,19 @@ def test_fsdp_shards_on_a_mesh_of_the_models_device(tmp_path):
 
 @pytest.fixture(scope="module")
 def restarted_fsdp_run(tiny_data, tmp_path_factory):
-    """torchrun --max-restarts=1 --strategy fsdp, local rank 1 killed in epoch 1: the group
-    restarts and resumes from the FSDP checkpoint of epoch 0."""
-    out = tmp_path_factory.mktemp("fsdp") / "run"
-    cmd = torchrun_cmd(2, "--max-restarts=1", LAUNCH,
-                       *flags(tiny_data, out, "--epochs", "3", "--strategy", "fsdp"))
-    tree = ProcessTree(cmd, out.parent / "launcher.log")
+    """torchrun --max-restarts=1 --strategy fsdp --save-every-steps 2, rank 1 killed (-9) after
+    epoch 1's third step: the group restarts and continues from step 2 of epoch 1."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    out = tmp / "run"
+    cmd = torchrun_cmd(2, "--max-restarts=1", make_stopper(tmp), LAUNCH,
+                       *flags(tiny_data, out, "--epochs", "3", "--strategy", "fsdp",
+                              "--save-every-steps", "2"))
+    tree = ProcessTree(cmd, tmp / "launcher.log", STOP_TARGET="kill", STOP_RANK="1",
+                       STOP_AFTER="8")
     try:
-        tree.wait_for(epochs_done(out, 1), "epoch 0's checkpoint")
-        time.sleep(0.5)
-        (victim,) = [p for p in tree.children() if proc_env(p).get("LOCAL_RANK") == "1"]
-        os.kill(victim, signal.SIGKILL)
         code = tree.wait_exit(240)
         assert code == 0, tree.output()[-4000:]
+        assert "resuming from epoch 1, step 2 of 5\n" in tree.output(), tree.output()[-4000:]
         assert not tree.alive_seen()
         yield out
     finally:
@@ -246,10 +244,12 @@ def test_ddp_and_fsdp_checkpoints_continue_under_the_other_strategy(
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1, 2, 3]
 
 
-def test_sigint_stops_an_fsdp_run_of_the_spawn_launcher(tiny_data, tmp_path, launched):
+def test_sigint_stops_an_fsdp_run_of_the_spawn_launcher_which_continues(tiny_data, tmp_path,
+                                                                          launched, reference_run):
     out = tmp_path / "run"
-    tree = launched([sys.executable, SPAWN, "--world-size", "2",
-                     *flags(tiny_data, out, "--epochs", "50", "--strategy", "fsdp")])
+    cmd = [sys.executable, SPAWN, "--world-size", "2",
+           *flags(tiny_data, out, "--epochs", "3", "--strategy", "fsdp")]
+    tree = launched(cmd)
     tree.wait_for(epochs_done(out, 1), "epoch 0")
     tree.proc.send_signal(signal.SIGINT)
     seconds = tree.wait_all_gone(timeout=60)
@@ -257,10 +257,12 @@ def test_sigint_stops_an_fsdp_run_of_the_spawn_launcher(tiny_data, tmp_path, lau
     assert seconds < 30, f"shutdown took {seconds:.0f}s"
     assert tree.proc.returncode == 130, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    ckpt = load_ckpt(out / "checkpoint.pth")  # whole, as every epoch's save is
-    assert ckpt["epoch"] == read_metrics(out)[-1]["epoch"] and ckpt["args"]["world_size"] == 2
-
-
+    ckpt = load_ckpt(out / "checkpoint.pth")  # whole, as every save is
+    done = read_metrics(out)[-1]["epoch"]  # stopped in epoch 1's steps, or after its save
+    assert (ckpt["epoch"], "in_epoch" in ckpt) in ((done, False), (done + 1, True))
+    res = run(cmd)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert_close_runs(out, reference_run.out, range(3))
 @pytest.mark.parametrize("extra, needle", [(["--compile"], "--compile is not supported with "
                                             "--strategy fsdp"),
                                            (["--comm-hook", "bf16"], "use --amp")])
