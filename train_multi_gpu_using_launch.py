@@ -58,8 +58,7 @@ def main(args: argparse.Namespace) -> None:
     ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
     if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
         run_on_main(claim_output_dir, out)
-        if ckpt_path != str(out / "checkpoint.pth"):
-            run_on_main(move_earlier_run, out)
+        ckpt_path = run_on_main(move_earlier_run, out, ckpt_path)  # --resume: where it is now
 
     # 2. Data. Rank 0 scans the folder (unreadable files are skipped and listed) and shares the
     # list; each machine reads it below its own --data-path. The split depends only on --seed.

@@ -181,18 +181,28 @@ def rerun_hint(output_dir: str | os.PathLike, resume: str) -> str:
     return f"run it again with --resume auto to continue from {last}"
 
 
-def move_earlier_run(out: Path) -> None:
-    """Rank 0, starting afresh: an earlier run's files in ``out`` go to
-    ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run."""
+def move_earlier_run(out: Path, resume_from: str | None = None) -> str | None:
+    """Rank 0, unless continuing ``<out>/checkpoint.pth``: an earlier run's files in ``out`` go
+    to ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run.
+    Returns the checkpoint to resume from, where it now is (``--resume <out>/model_best.pth``
+    is read from the folder it was moved to)."""
+    where = Path(os.path.abspath(resume_from)) if resume_from else None
+    if where == Path(os.path.abspath(out / "checkpoint.pth")):
+        return resume_from  # this run goes on: nothing moves
     found = [out / name for name in RUN_FILES if (out / name).exists()]
     if not any(p.name in ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl")
                for p in found):
-        return
+        return resume_from
     aside = out / "previous-runs" / time.strftime("%Y%m%d-%H%M%S")
     aside.mkdir(parents=True, exist_ok=True)
     for path in found:
         path.rename(aside / path.name)
-    log.info("starting afresh: the earlier run's files in %s were moved to %s", out, aside)
+    log.info("the earlier run's files in %s were moved to %s", out, aside)
+    if where and where.is_relative_to(os.path.abspath(out)):
+        inside = where.relative_to(os.path.abspath(out))
+        if inside.parts[:1] in [(p.name,) for p in found]:  # moved just now: read it there
+            return str(aside / inside)
+    return resume_from
 
 
 def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:

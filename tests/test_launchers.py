@@ -286,6 +286,20 @@ def test_a_user_error_is_one_line_and_exit_2(case, tiny_data, tmp_path, plain):
     assert not (out / "checkpoint.pth").exists() and not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("extra, needle", [
+    (["--device", "cuda"], "--device cuda"),
+    (["--dist-url", "tcp://host"], "tcp://HOST:PORT"),
+])
+def test_the_spawn_launchers_own_checks_are_one_line_and_exit_2(extra, needle, tiny_data,
+                                                                 tmp_path):
+    if "cuda" in extra and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --device cuda is no mistake here")
+    res = run([sys.executable, SPAWN, *flags(tiny_data, tmp_path / "out", "--epochs", "1"),
+               *extra], timeout=120)
+    assert_user_error(res, needle)
+    assert not (tmp_path / "out").exists()  # stopped before it started any process
+
+
 def test_a_user_error_under_torchrun_stops_every_rank(tmp_path):
     missing = tmp_path / "nope"
     res = run(torchrun_cmd(2, LAUNCH, *flags(missing, tmp_path / "out", "--epochs", "1")),

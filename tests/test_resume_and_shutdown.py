@@ -137,6 +137,46 @@ def test_resume_none_moves_the_earlier_run_aside(reference_run, tiny_data, tmp_p
     assert load_ckpt(out / "checkpoint.pth")["args"]["world_size"] == 1
 
 
+def test_resume_from_the_best_model_of_the_same_folder(reference_run, tiny_data, tmp_path,
+                                                        plain):
+    """``--resume <out>/model_best.pth --output-dir <out>``: the earlier run is moved aside
+    first, and the resume reads model_best.pth from where it went (it once stopped with
+    "does not exist"); the run goes on from the best epoch."""
+    out = clone_run(reference_run.out, tmp_path / "run", full=True)
+    best = load_ckpt(reference_run.out / "model_best.pth")["epoch"]
+    res = plain(flags(tiny_data, out, "--epochs", "4", "--resume", str(out / "model_best.pth")))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (stamp,) = (out / "previous-runs").iterdir()
+    for name in ("checkpoint.pth", "model_best.pth", "metrics.jsonl", "weights/model-2.pth"):
+        assert filecmp.cmp(stamp / name, reference_run.out / name, shallow=False), name
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics] == [0, 1, 2, 3]
+    assert metrics[:best + 1] == read_metrics(reference_run.out)[:best + 1]
+    assert load_ckpt(out / "checkpoint.pth")["epoch"] == 3
+
+
+def test_move_earlier_run_keeps_the_checkpoint_a_run_continues(tmp_path):
+    """No training: which files move, and where the resume then reads its checkpoint."""
+    from multi_train_utils.checkpoint import move_earlier_run
+
+    out = tmp_path / "run"
+    (out / "weights").mkdir(parents=True)
+    for name in ("checkpoint.pth", "model_best.pth", "weights/model-0.pth", "skipped_files.txt",
+                 "class_distribution.png", "notes.txt"):
+        (out / name).write_text(name)
+    spelled = str(tmp_path / "." / "run" / "checkpoint.pth")  # <out>/checkpoint.pth itself
+    assert move_earlier_run(out, spelled) == spelled
+    assert not (out / "previous-runs").exists()
+    moved = move_earlier_run(out, str(out / "weights" / "model-0.pth"))
+    (stamp,) = (out / "previous-runs").iterdir()
+    assert moved == str(stamp / "weights" / "model-0.pth")
+    assert sorted(p.name for p in stamp.iterdir()) == [
+        "checkpoint.pth", "class_distribution.png", "model_best.pth", "skipped_files.txt",
+        "weights"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "previous-runs"]
+    assert move_earlier_run(out, None) is None  # nothing left to move
+
+
 def test_rerunning_a_finished_run_trains_nothing(reference_run, tiny_data, tmp_path, plain):
     out = clone_run(reference_run.out, tmp_path / "run")
     before = (out / "checkpoint.pth").read_bytes()
