@@ -155,26 +155,41 @@ def test_resume_from_the_best_model_of_the_same_folder(reference_run, tiny_data,
     assert load_ckpt(out / "checkpoint.pth")["epoch"] == 3
 
 
-def test_move_earlier_run_keeps_the_checkpoint_a_run_continues(tmp_path):
-    """No training: which files move, and where the resume then reads its checkpoint."""
+def test_resume_none_starts_from_weights_of_the_run_it_moves_aside(reference_run, tiny_data,
+                                                                    tmp_path, plain):
+    """The way out a refused resume names, ``--resume none --weights <out>/checkpoint.pth``:
+    the earlier run moves aside and the new one starts from that file in its new place."""
+    out = clone_run(reference_run.out, tmp_path / "run")
+    res = plain(flags(tiny_data, out, "--epochs", "1", "--resume", "none",
+                      "--weights", str(out / "checkpoint.pth")))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (stamp,) = (out / "previous-runs").iterdir()
+    assert f"loaded {stamp / 'checkpoint.pth'}: " in res.stderr, res.stderr[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0]
+
+
+def test_move_earlier_run_says_where_the_files_a_run_reads_went(tmp_path):
+    """No training: which files move, and where --resume and --weights then read them."""
     from multi_train_utils.checkpoint import move_earlier_run
 
     out = tmp_path / "run"
     (out / "weights").mkdir(parents=True)
     for name in ("checkpoint.pth", "model_best.pth", "weights/model-0.pth", "skipped_files.txt",
-                 "class_distribution.png", "notes.txt"):
+                 "class_distribution.png", "notes.pth"):
         (out / name).write_text(name)
     spelled = str(tmp_path / "." / "run" / "checkpoint.pth")  # <out>/checkpoint.pth itself
-    assert move_earlier_run(out, spelled) == spelled
+    assert move_earlier_run(out, spelled, None) == (spelled, None)
     assert not (out / "previous-runs").exists()
-    moved = move_earlier_run(out, str(out / "weights" / "model-0.pth"))
+    resume, weights = move_earlier_run(out, str(out / "model_best.pth"),
+                                       str(out / "weights" / "model-0.pth"))
     (stamp,) = (out / "previous-runs").iterdir()
-    assert moved == str(stamp / "weights" / "model-0.pth")
+    assert (resume, weights) == (str(stamp / "model_best.pth"),
+                                 str(stamp / "weights" / "model-0.pth"))
     assert sorted(p.name for p in stamp.iterdir()) == [
         "checkpoint.pth", "class_distribution.png", "model_best.pth", "skipped_files.txt",
         "weights"]
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "previous-runs"]
-    assert move_earlier_run(out, None) is None  # nothing left to move
+    assert sorted(p.name for p in out.iterdir()) == ["notes.pth", "previous-runs"]
+    assert move_earlier_run(out, None, str(out / "notes.pth")) == (None, str(out / "notes.pth"))
 
 
 def test_rerunning_a_finished_run_trains_nothing(reference_run, tiny_data, tmp_path, plain):
