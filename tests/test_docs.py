@@ -18,7 +18,8 @@ The rules, as these tests read the Markdown:
   exist (a bare name anywhere in the repository). Every other path is a user's example:
   ``flower_photos/``, ``runs/flowers/model_best.pth``, ``/shared/...``, ``DATA/train``,
   ``weights/model-N.pth``. A dotted name whose first part is one of our modules
-  (``my_dataset.loader_kwargs``, ``guard.signals_deferred``) must be an attribute of it.
+  (``my_dataset.loader_kwargs``, ``guard.signals_deferred``) must be an attribute of it; not
+  ``model.``, which is also every model variable's name (``model.no_sync()``).
 - **Modules.** Every module of ``multi_train_utils/`` is in the README's file list and in
   docs/own-project.md's table.
 - **Measured numbers.** A paragraph that starts with a label,
@@ -67,6 +68,11 @@ def _figures_parser() -> set[str]:
     return _module_parser("make_figures")()
 
 
+def _legacy_launch_flags() -> set[str]:
+    # torch.distributed.launch's parse_args() adds --use-env to what its get_args_parser() has.
+    return _module_parser("torch.distributed.launch")() | {"--use-env", "--use_env"}
+
+
 # tool: (the word that names it in a command or a paragraph, a fullmatch; its flags)
 TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "training": (r"train_multi_gpu_using_(launch|spawn)\.py",
@@ -77,9 +83,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "example": (r"example_own_project\.py", _module_parser("example_own_project")),
     "figures": (r"make_figures\.py", _figures_parser),
     "torchrun": (r"torchrun|torch\.distributed\.run", _module_parser("torch.distributed.run")),
-    "legacy launch": (r"torch\.distributed\.launch",  # its parse_args() adds --use-env
-                      lambda: _module_parser("torch.distributed.launch")() | {"--use-env",
-                                                                               "--use_env"}),
+    "legacy launch": (r"torch\.distributed\.launch", _legacy_launch_flags),
     # Tools we cannot import: the flags the docs may name.
     "srun": (r"srun", lambda: {"--kill-on-bad-exit", "--gpus-per-task", "--ntasks",
                                 "--ntasks-per-node", "--nodes", "--cpus-per-task"}),
