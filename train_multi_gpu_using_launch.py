@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> None:
     info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
                                  timeout_s=args.dist_timeout)
     check_args(args, info.world_size)
-    device, out = info.device, Path(args.output_dir)
+    device, out, weights = info.device, Path(args.output_dir), args.weights
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpus_per_process())  # N processes x all cores would oversubscribe
@@ -59,8 +59,7 @@ def main(args: argparse.Namespace) -> None:
     ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
     if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
         run_on_main(claim_output_dir, out)
-        if ckpt_path != str(out / "checkpoint.pth"):
-            run_on_main(move_earlier_run, out)
+        ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
 
     # 2. Data. Rank 0 scans the folder (unreadable files are skipped and listed) and shares the
     # list; each machine reads it below its own --data-path. The split depends only on --seed.
@@ -101,8 +100,8 @@ def main(args: argparse.Namespace) -> None:
     # 3. Model. DDP copies rank 0's weights to every rank when it wraps the model (shard_model
     # too), so only rank 0 reads --weights. SyncBatchNorm: BatchNorm over the global batch.
     model = get_model(args.model, num_classes=len(classes))
-    if args.weights and ckpt_path is None:
-        run_on_main(load_pretrained, model, args.weights, strict=args.eval_only)
+    if weights and ckpt_path is None:
+        run_on_main(load_pretrained, model, weights, strict=args.eval_only)
     if args.freeze_layers:
         freeze_backbone(model)  # only fc trains; BatchNorm statistics stay as loaded
     if args.sync_bn and info.distributed:

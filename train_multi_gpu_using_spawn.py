@@ -21,9 +21,9 @@ from urllib.parse import urlparse
 import torch
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import find_free_port
-from multi_train_utils.guard import EXIT_USER_ERROR, STOP_SIGNALS, guarded
 from multi_train_utils.checkpoint import rerun_hint
+from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.guard import EXIT_USER_ERROR, STOP_SIGNALS, ConfigError, guarded
 from train_multi_gpu_using_launch import get_args_parser, main
 
 log = logging.getLogger("spawn")
@@ -46,11 +46,11 @@ def world_size_of(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     if args.world_size is not None:
         if args.device != "cpu" and 0 < gpus < args.world_size:
-            sys.exit(f"error: --world-size {args.world_size} but only {gpus} GPU(s) are "
-                     "visible; lower it, or add --device cpu.")
+            raise ConfigError(f"--world-size {args.world_size} but only {gpus} GPU(s) are "
+                              "visible; lower it, or add --device cpu.")
         return args.world_size
     if args.device == "cuda" and gpus == 0:
-        sys.exit("error: --device cuda but no GPU is visible; use --device cpu.")
+        raise ConfigError("--device cuda but no GPU is visible; use --device cpu.")
     return gpus or 2
 
 
@@ -59,7 +59,7 @@ def rendezvous(args: argparse.Namespace) -> tuple[str, int]:
     if args.dist_url.startswith("tcp://"):
         url = urlparse(args.dist_url)
         if url.hostname is None or url.port is None:
-            sys.exit(f"error: --dist-url {args.dist_url} is not tcp://HOST:PORT.")
+            raise ConfigError(f"--dist-url {args.dist_url} is not tcp://HOST:PORT.")
         return url.hostname, url.port
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     return addr, int(os.environ.get("MASTER_PORT") or find_free_port())
@@ -104,4 +104,6 @@ def launch(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    launch(get_args_parser().parse_args())
+    # The guard makes a flag mistake one "error: ..." line with exit code 2, as in each process.
+    cli_args = get_args_parser().parse_args()
+    guarded(launch, cli_args, rerun_hint=lambda: rerun_hint(cli_args.output_dir, cli_args.resume))

@@ -113,7 +113,8 @@ def summarise(histories: dict[str, list[dict]], val_images: int, epochs: int) ->
                     "train_images_per_sec")} for name, h in histories.items()}
     gaps = {name: {k: max(abs(a[k] - b[k]) for a, b in zip(histories["1x32"], h)) for k in
                    ("val_acc", "train_loss")} for name, h in histories.items() if name != "1x32"}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+    # -dirty: the code that ran was not all committed (rev-parse would name HEAD alone).
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, text=True,
                             capture_output=True).stdout.strip() or "unknown"
     info = Path("/proc/cpuinfo")  # Linux; elsewhere the CPU count alone
     cpu = re.findall(r"^model name\s*:\s*(.+)$", info.read_text() if info.exists() else "", re.M)
@@ -176,9 +177,11 @@ def render_blocks(s: dict) -> dict[str, str]:
     gaps = "; ".join(f"{s['labels'][n]}: {d['val_acc']:.4f} and {d['train_loss']:.4f}"
                      for n, d in s["max_diff"].items())
     acc = ", ".join(f"{h[-1]['val_acc']:.4f} ({s['labels'][n]})" for n, h in s["histories"].items())
+    # The label tests/test_docs.py looks for before measured numbers.
+    label = f"Measured {s['made']} on {s['machine']}, commit {s['commit']}, torch {s['torch']}"
     return {"made": f"Made {s['made']} by `make figures` in {s['elapsed_s']:.0f} s on "
                     f"{s['machine']} (torch {s['torch']}, commit {s['commit']}).",
-            "speed": f"One process (2 threads) trained {ips['1x32']}, with 1 thread "
+            "speed": f"{label}: one process (2 threads) trained {ips['1x32']}, with 1 thread "
                      f"{ips['1x32_1thread']}; two processes with SyncBatchNorm "
                      f"{ips['2x16_syncbn']}, **{s['speedup']:.2f}x** the speed of one; two "
                      f"without SyncBatchNorm {ips['2x16_no_syncbn']}.",

@@ -184,18 +184,38 @@ def rerun_hint(output_dir: str | os.PathLike, resume: str) -> str:
     return f"run it again with --resume auto to continue from {last}"
 
 
-def move_earlier_run(out: Path) -> None:
-    """Rank 0, starting afresh: an earlier run's files in ``out`` go to
-    ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run."""
+def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | None = None
+                     ) -> tuple[str | None, str | None]:
+    """Rank 0, unless continuing ``<out>/checkpoint.pth``: an earlier run's files in ``out`` go
+    to ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run.
+    Returns the ``--resume`` checkpoint and the ``--weights`` file where they are now: one that
+    was among the files moved (``--resume <out>/model_best.pth``) is read from its new place."""
+    if resume_from and _absolute(resume_from) == _absolute(out / "checkpoint.pth"):
+        return resume_from, weights  # this run goes on: nothing moves
     found = [out / name for name in RUN_FILES if (out / name).exists()]
     if not any(p.name in ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl")
                for p in found):
-        return
+        return resume_from, weights
     aside = out / "previous-runs" / time.strftime("%Y%m%d-%H%M%S")
     aside.mkdir(parents=True, exist_ok=True)
     for path in found:
         path.rename(aside / path.name)
-    log.info("starting afresh: the earlier run's files in %s were moved to %s", out, aside)
+    log.info("the earlier run's files in %s were moved to %s", out, aside)
+
+    moved = {p.name for p in found}
+
+    def where_now(path: str | None) -> str | None:
+        if path is None or not _absolute(path).is_relative_to(_absolute(out)):
+            return path
+        inside = _absolute(path).relative_to(_absolute(out))
+        return str(aside / inside) if inside.parts and inside.parts[0] in moved else path
+
+    return where_now(resume_from), where_now(weights)
+
+
+def _absolute(path: str | os.PathLike) -> Path:
+    """``path`` made absolute and normalised, links not followed (they may be moved too)."""
+    return Path(os.path.abspath(path))
 
 
 def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ def check_strategy(strategy: str, world_size: int, *, compile: bool, comm_hook: 
                           "ddp); drop --compile, or use --strategy ddp.")
     if comm_hook != "none":
         raise ConfigError(f"--comm-hook {comm_hook} compresses DDP's all-reduce; with "
-                          "--strategy fsdp use --amp (bf16 parameters, float32 reduction).")
+                          "--strategy fsdp use --amp (16-bit parameters, float32 reduction).")
     if world_size == 1:
         log.info("--strategy fsdp with one process holds the whole model: "
                  "training as ddp does.")

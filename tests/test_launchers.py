@@ -288,6 +288,20 @@ def test_a_user_error_is_one_line_and_exit_2(case, tiny_data, tmp_path, plain):
     assert not (out / "checkpoint.pth").exists() and not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("extra, needle", [
+    (["--device", "cuda"], "--device cuda"),
+    (["--dist-url", "tcp://host"], "tcp://HOST:PORT"),
+])
+def test_the_spawn_launchers_own_checks_are_one_line_and_exit_2(extra, needle, tiny_data,
+                                                                 tmp_path):
+    if "cuda" in extra and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --device cuda is no mistake here")
+    res = run([sys.executable, SPAWN, *flags(tiny_data, tmp_path / "out", "--epochs", "1"),
+               *extra], timeout=120)
+    assert_user_error(res, needle)
+    assert not (tmp_path / "out").exists()  # stopped before it started any process
+
+
 @pytest.mark.parametrize("mistake", ["missing data path", "--num_classes 7 for 5 folders"])
 def test_a_user_error_under_torchrun_stops_every_rank(mistake, tiny_data, tmp_path):
     data, extra, needle = tiny_data, ["--num_classes", "7"], "--num-classes 7, but"

@@ -138,6 +138,61 @@ def test_resume_none_moves_the_earlier_run_aside(reference_run, tiny_data, tmp_p
     assert load_ckpt(out / "checkpoint.pth")["args"]["world_size"] == 1
 
 
+def test_resume_from_the_best_model_of_the_same_folder(reference_run, tiny_data, tmp_path,
+                                                        plain):
+    """``--resume <out>/model_best.pth --output-dir <out>``: the earlier run is moved aside
+    first, and the resume reads model_best.pth from where it went (it once stopped with
+    "does not exist"); the run goes on from the best epoch."""
+    out = clone_run(reference_run.out, tmp_path / "run", full=True)
+    best = load_ckpt(reference_run.out / "model_best.pth")["epoch"]
+    res = plain(flags(tiny_data, out, "--epochs", "4", "--resume", str(out / "model_best.pth")))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (stamp,) = (out / "previous-runs").iterdir()
+    for name in ("checkpoint.pth", "model_best.pth", "metrics.jsonl", "weights/model-2.pth"):
+        assert filecmp.cmp(stamp / name, reference_run.out / name, shallow=False), name
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics] == [0, 1, 2, 3]
+    assert metrics[:best + 1] == read_metrics(reference_run.out)[:best + 1]
+    assert load_ckpt(out / "checkpoint.pth")["epoch"] == 3
+
+
+def test_resume_none_starts_from_weights_of_the_run_it_moves_aside(reference_run, tiny_data,
+                                                                    tmp_path, plain):
+    """The way out a refused resume names, ``--resume none --weights <out>/checkpoint.pth``:
+    the earlier run moves aside and the new one starts from that file in its new place."""
+    out = clone_run(reference_run.out, tmp_path / "run")
+    res = plain(flags(tiny_data, out, "--epochs", "1", "--resume", "none",
+                      "--weights", str(out / "checkpoint.pth")))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (stamp,) = (out / "previous-runs").iterdir()
+    assert f"loaded {stamp / 'checkpoint.pth'}: " in res.stderr, res.stderr[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0]
+
+
+def test_move_earlier_run_says_where_the_files_a_run_reads_went(tmp_path):
+    """No training: which files move, and where --resume and --weights then read them."""
+    from multi_train_utils.checkpoint import move_earlier_run
+
+    out = tmp_path / "run"
+    (out / "weights").mkdir(parents=True)
+    for name in ("checkpoint.pth", "model_best.pth", "weights/model-0.pth", "skipped_files.txt",
+                 "class_distribution.png", "notes.pth"):
+        (out / name).write_text(name)
+    spelled = str(tmp_path / "." / "run" / "checkpoint.pth")  # <out>/checkpoint.pth itself
+    assert move_earlier_run(out, spelled, None) == (spelled, None)
+    assert not (out / "previous-runs").exists()
+    resume, weights = move_earlier_run(out, str(out / "model_best.pth"),
+                                       str(out / "weights" / "model-0.pth"))
+    (stamp,) = (out / "previous-runs").iterdir()
+    assert (resume, weights) == (str(stamp / "model_best.pth"),
+                                 str(stamp / "weights" / "model-0.pth"))
+    assert sorted(p.name for p in stamp.iterdir()) == [
+        "checkpoint.pth", "class_distribution.png", "model_best.pth", "skipped_files.txt",
+        "weights"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.pth", "previous-runs"]
+    assert move_earlier_run(out, None, str(out / "notes.pth")) == (None, str(out / "notes.pth"))
+
+
 def test_rerunning_a_finished_run_trains_nothing(reference_run, tiny_data, tmp_path, plain):
     out = clone_run(reference_run.out, tmp_path / "run")
     before = (out / "checkpoint.pth").read_bytes()
