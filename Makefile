@@ -29,7 +29,7 @@ bench: $(VENV)/.installed
 
 # docs/how-it-works.md's figures and numbers, from real CPU training runs (minutes on 2 cores).
 figures: $(VENV)/.installed
-	$(PY) docs/make_figures.py
+	$(PY) -m benchmarks.figures
 
 clean:
 	rm -rf runs .pytest_cache

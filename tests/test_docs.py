@@ -39,7 +39,6 @@ import argparse
 import importlib
 import re
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -63,8 +62,7 @@ def _module_parser(module: str) -> Callable[[], set[str]]:
 
 
 def _figures_parser() -> set[str]:
-    sys.path.insert(0, str(ROOT / "docs"))  # docs/make_figures.py is a script, not a package
-    return _module_parser("make_figures")()
+    return _module_parser("benchmarks.figures")()
 
 
 def _legacy_launch_flags() -> set[str]:
@@ -80,7 +78,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "plot": (r"plot_results\.py", _module_parser("plot_results")),
     "benchmark": (BENCHMARK[0], _module_parser(BENCHMARK[1])),
     "example": (r"example_own_project\.py", _module_parser("example_own_project")),
-    "figures": (r"make_figures\.py", _figures_parser),
+    "figures": (r"benchmarks\.figures", _figures_parser),
     "torchrun": (r"torchrun|torch\.distributed\.run", _module_parser("torch.distributed.run")),
     "legacy launch": (r"torch\.distributed\.launch", _legacy_launch_flags),
     # Tools we cannot import: the flags the docs may name.
@@ -212,7 +210,7 @@ def test_the_flag_reader_tells_the_tools_apart():
         ("--kill-on-bad-exit", "srun"), ("--nproc_per_node", "torchrun"),
         ("--rdzv-id", "torchrun"), ("--data-path", "training"), ("--output-dir", "training"),
         ("--resume", None)]
-    assert tool_named_by("#SBATCH") == "sbatch" and tool_named_by("docs/make_figures.py")
+    assert tool_named_by("#SBATCH") == "sbatch" and tool_named_by("benchmarks.figures")
     assert "--no-sync-bn" in tool_flags("training") and "--top-k" in tool_flags("predict")
     assert "--max-restarts" in tool_flags("torchrun") and "--use_env" in tool_flags(
         "legacy launch")
@@ -262,10 +260,10 @@ def test_every_repository_path_named_exists(page):
 
 
 def test_the_path_rule_tells_repository_paths_from_examples():
-    text = ("python docs/make_figures.py; utils.py; multi_train_utils/; tests/test_x.py; "
+    text = ("python benchmarks/figures.py; utils.py; multi_train_utils/; tests/test_x.py; "
             "flower_photos/daisy/x.jpg runs/flowers/model_best.pth /shared/flower_photos "
             "~/.cache/ddp-template/ <output-dir>/weights/model-N.pth DATA/train checkpoint.pth")
-    assert repository_paths(text) == ["docs/make_figures.py", "utils.py", "multi_train_utils/",
+    assert repository_paths(text) == ["benchmarks/figures.py", "utils.py", "multi_train_utils/",
                                       "tests/test_x.py"]
     assert path_exists("docs/flags.md") and path_exists("sync_batchnorm.py")
     assert not path_exists("tests/test_x.py")

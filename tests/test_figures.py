@@ -1,4 +1,4 @@
-"""docs/make_figures.py on tiny inputs, and docs/how-it-works.md against the committed figures.
+"""benchmarks/figures.py on tiny inputs, and docs/how-it-works.md against the committed figures.
 
 No training runs here: ``make figures`` (minutes) makes the real ones; these tests check the
 code that turns runs into figures and sentences, and that the page shows what the JSON says.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 
 import pytest
 import torch
@@ -17,8 +16,7 @@ from torch.utils.data import DistributedSampler
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "docs"))
-import make_figures  # noqa: E402
+from benchmarks import figures as make_figures
 
 DOC, FIGURES = ROOT / "docs" / "how-it-works.md", ROOT / "docs" / "figures"
 MAX_PNG_BYTES = 300_000

@@ -1,5 +1,5 @@
 """Rebuild docs/how-it-works.md's figures from the code and real CPU training runs (minutes):
-``make figures`` or ``python docs/make_figures.py``. Into docs/figures/: split.png (the samplers'
+``make figures`` or ``python -m benchmarks.figures``. Into docs/figures/: split.png (the samplers'
 indices per rank), speed.png (time and images/s here, beside docs/performance.md's H200 numbers),
 curves.png (1 process with batch 2B against 2 with batch B, with and without SyncBatchNorm) and
 figures.json, every number shown; the doc's ``<!-- figures:NAME -->`` sentences are rendered
@@ -23,10 +23,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from plot_results import load_metrics
+from utils import make_demo_data, scan_image_folder, split_train_val, write_json_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a file from docs/: the repository's modules sit above
-from plot_results import load_metrics  # noqa: E402
-from utils import make_demo_data, scan_image_folder, split_train_val, write_json_atomic  # noqa
 
 SEED = 0  # at seed 0, 480 of the demo's 600 images train: 15 steps of 32, none padded
 COMMON = ["--device", "cpu", "--model", "resnet18", "--img-size", "64", "--seed", str(SEED),
