@@ -24,19 +24,21 @@ from model import MODELS
 from multi_train_utils.distributed_utils import COMM_HOOKS
 from utils import DataError, path_flag, write_json_atomic
 
-from . import loop, pipeline, scaling, with_data
+from . import loop, pipeline, preemption, scaling, with_data
 from .photos import default_image_dir
 from .report import header_lines, host_info, load_average, versions, write_chart
 
 log = logging.getLogger("benchmarks")
 
 # Run in this order; a stage may read the parts of the report the stages before it wrote.
-STAGES = (pipeline, loop, scaling, with_data)
+STAGES = {"pipeline": pipeline, "loop": loop, "scaling": scaling, "with_data": with_data,
+          "preemption": preemption}
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable summary printed at the end (also what goes into the docs)."""
-    sections = [header_lines(report), *(stage.table_lines(report) for stage in STAGES)]
+    ran = report["config"].get("stages", list(STAGES))
+    sections = [header_lines(report), *(STAGES[name].table_lines(report) for name in ran)]
     return "\n\n".join("\n".join(lines) for lines in sections)
 
 
@@ -60,6 +62,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
                         ("epoch-images", args.epoch_images), ("num-classes", args.num_classes)):
         if value < 1:
             sys.exit(f"error: --{flag} must be at least 1, not {value}.")
+    if "with_data" in args.stages and "loop" not in args.stages[:args.stages.index("with_data")]:
+        sys.exit("error: --stages with_data compares with the loop stage's compute: put loop "
+                 "before it.")
     if args.workers is not None and args.workers < 0:
         sys.exit(f"error: --workers must be 0 or more, not {args.workers}.")
     try:
@@ -85,15 +90,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                               "config": {**vars(args),
                                          "procs": scaling.process_counts(args.max_procs)},
                               "versions": versions(), "host": host_info(device)}
-    for number, stage in enumerate(STAGES, start=1):
-        log.info("stage %d/%d: %s", number, len(STAGES), stage.__name__)
-        report.update(stage.run(args, device, report))
+    for number, name in enumerate(args.stages, start=1):
+        log.info("stage %d/%d: %s", number, len(args.stages), STAGES[name].__name__)
+        report.update(STAGES[name].run(args, device, report))
     report["host"]["load_avg_end"] = load_average()
 
     write_json_atomic(out / "benchmark.json", report)
-    write_chart(report, out / "benchmark.png")
+    written = [out / "benchmark.json"]
+    if {"pipeline", "loop", "scaling"} <= set(args.stages):  # the chart's three panels
+        written.append(write_chart(report, out / "benchmark.png"))
     print("\n" + format_table(report), flush=True)
-    print(f"\nwrote {out / 'benchmark.json'} and {out / 'benchmark.png'}", flush=True)
+    print(f"\nwrote {' and '.join(map(str, written))}", flush=True)
     return report
 
 
@@ -109,6 +116,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description="Benchmark the input pipeline, training loop, DDP scaling and memory.",
         formatter_class=_HelpFormatter, add_help=add_help)
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES),
+                        help="which stages to run, in this order (with_data reads pipeline's "
+                             "and loop's figures)")
     parser.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
     parser.add_argument("--img-size", type=int, default=64,
                         help="training crop for the loop and scaling runs")

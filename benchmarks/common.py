@@ -118,7 +118,8 @@ def synthetic_batches(args: argparse.Namespace, count: int, seed: int, pin: bool
 
 def quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
                           device: torch.device, args: argparse.Namespace,
-                          scaler: torch.amp.GradScaler, grad_accum_steps: int = 1) -> float:
+                          scaler: torch.amp.GradScaler, grad_accum_steps: int = 1,
+                          after_step: Callable[..., bool] | None = None) -> float:
     """``train_one_epoch`` with its defaults; its progress (a bar in a terminal, log lines
     elsewhere) goes nowhere. ``batches``: any iterable of ``(uint8 images, labels)``."""
     progress_log = logging.getLogger("multi_train_utils.train_eval_utils")
@@ -130,6 +131,6 @@ def quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, ba
                                    scaler=scaler if scaler.is_enabled() else None,
                                    amp_dtype=amp_dtype(args, device),
                                    channels_last=channels_last(args, device),
-                                   grad_accum_steps=grad_accum_steps)
+                                   grad_accum_steps=grad_accum_steps, after_step=after_step)
     finally:
         progress_log.setLevel(level)

@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import (DistInfo, cleanup, find_free_port,
                                                  init_distributed_mode, usable_cpus)
+from multi_train_utils.guard import stop_requests
 
 from .common import build, quiet_train_one_epoch, sync, synthetic_batches
 
@@ -53,7 +54,16 @@ def process_counts(max_procs: int) -> list[int]:
     return sorted(counts)
 
 
-def _barrier(info: DistInfo) -> None:
+def rank_environment(local_rank: int, nprocs: int, port: int) -> None:
+    """What torchrun sets for one of ``nprocs`` local ranks; one process runs as plain python
+    does: no group."""
+    if nprocs > 1:
+        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                          WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def barrier(info: DistInfo) -> None:
     sync(info.device)
     if info.distributed:
         dist.barrier(device_ids=[info.device.index] if info.device.type == "cuda" else None)
@@ -104,10 +114,7 @@ def scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port:
     repeats. Its efficiency is the most the hardware allows N processes (shared cores, caches
     and memory bandwidth), whatever DDP does. ``--grad-accum-steps`` applies to every variant.
     """
-    if nprocs > 1:  # what torchrun sets; the baseline runs as plain python does: no group
-        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                          WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_environment(local_rank, nprocs, port)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     rss_at_start = _peak_host_rss_mib()  # Python + torch libraries, before any model or data
@@ -127,13 +134,14 @@ def scaling_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port:
                                     pin=device.type == "cuda")
         quiet_train_one_epoch(model, optimizer, batches[:args.warmup_steps], device, args, scaler)
         seconds = []
-        for _ in range(args.repeats):
-            _barrier(info)
-            start = time.perf_counter()
-            # Ends with an all-reduce of the loss (a host sync), so every rank is done.
-            quiet_train_one_epoch(model, optimizer, batches, device, args, scaler,
-                                  args.grad_accum_steps)
-            seconds.append(time.perf_counter() - start)
+        with stop_requests() as stop:  # the training script's poll after every step
+            for _ in range(args.repeats):
+                barrier(info)
+                start = time.perf_counter()
+                # Ends with an all-reduce of the loss (a host sync), so every rank is done.
+                quiet_train_one_epoch(model, optimizer, batches, device, args, scaler,
+                                      args.grad_accum_steps, after_step=lambda p: stop.poll())
+                seconds.append(time.perf_counter() - start)
         result = {"rank": info.rank, "seconds": seconds, "backend": info.backend,
                   "device": str(device), "peak_host_rss_mib": _peak_host_rss_mib(),
                   "rss_at_start_mib": rss_at_start}

@@ -818,30 +818,38 @@ class _UnusedBranch(nn.Module):
         return self.used(x.flatten(1))
 
 
-def _unused_branch_worker(rank: int, world: int, find_unused: bool) -> dict[str, Any]:
+def _unused_branch_worker(rank: int, world: int, wrapper: str) -> dict[str, Any]:
+    from multi_train_utils.checkpoint import whole_state
+    from multi_train_utils.strategy import shard_model
+
     torch.manual_seed(0)
     model = _UnusedBranch()
     before = copy.deepcopy(model.state_dict())
     gen = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(16, 3, 2, 2, generator=gen), torch.randint(0, 4, (16,)))
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, world, rank))
-    ddp = DDP(model, find_unused_parameters=find_unused)
+    wrapped = (shard_model(model) if wrapper == "fsdp" else
+               DDP(model, find_unused_parameters=wrapper == "ddp, find unused"))
     try:
-        loss = train_one_epoch(ddp, torch.optim.SGD(model.parameters(), lr=0.1), loader, CPU, 0)
+        loss = train_one_epoch(wrapped, torch.optim.SGD(model.parameters(), lr=0.1), loader, CPU,
+                               0)
     except ConfigError as exc:
         return {"error": str(exc)}
-    return {"loss": loss, "changed": {k: not torch.equal(v, before[k])
-                                      for k, v in model.state_dict().items()}}
+    after = whole_state(model, torch.optim.SGD(model.parameters(), lr=0.1))[0]  # FSDP: gathered
+    return {"loss": loss, "changed": {k: not torch.equal(v, before[k]) for k, v in after.items()}}
 
 
-def test_an_unused_branch_trains_with_find_unused_parameters_and_names_it_without(tmp_path):
-    trained = run_ranks(_unused_branch_worker, 2, tmp_path / "with", True)
-    for got in trained:
-        assert math.isfinite(got["loss"])
-        assert got["changed"] == {"used.weight": True, "used.bias": True,
-                                  "unused.weight": False, "unused.bias": False}
-    # Without the flag DDP stops the second step with a paragraph; one sentence names the fix.
-    refused = run_ranks(_unused_branch_worker, 2, tmp_path / "without", False)
+@pytest.mark.parametrize("wrapper", ["ddp, find unused", "fsdp"])
+def test_an_unused_branch_trains_with_find_unused_parameters_or_fsdp(wrapper, tmp_path):
+    got = run_ranks(_unused_branch_worker, 2, tmp_path, wrapper)
+    assert all(math.isfinite(rank["loss"]) for rank in got)
+    assert got[0]["changed"] == {"used.weight": True, "used.bias": True,  # rank 0's whole state
+                                 "unused.weight": False, "unused.bias": False}
+
+
+def test_an_unused_branch_under_plain_ddp_is_one_sentence_naming_the_flag(tmp_path):
+    # DDP stops the second step with a paragraph; one sentence names the fix.
+    refused = run_ranks(_unused_branch_worker, 2, tmp_path, "ddp")
     for got in refused:
         assert "add --find-unused-parameters" in got["error"]
         assert "find_unused_parameters=True" in got["error"]

@@ -1,0 +1,112 @@
+"""Stage: what losing no work costs. Two figures, on ``--max-procs`` ranks (2 on CPU):
+
+- the stop poll: ``train_one_epoch`` with the training script's ``after_step`` (every rank
+  all-reduces its stop flag after each optimizer step, ``StopRequest.poll``) against without
+  it, alternating on the same model and batches; the cost is the ratio of their img/s;
+- one mid-epoch save (``save_checkpoint`` with ``progress``, as at a signal or every
+  ``--save-every-steps``): seconds from every rank entering it to every rank leaving it, and
+  the size of ``checkpoint.pth``. A stopped run exits at most one step plus this after the
+  signal (one step more under NCCL, where the poll's answer is a step old).
+
+The ranks are spawned: each imports this module (and ``common``), not ``__main__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from multi_train_utils.checkpoint import save_checkpoint
+from multi_train_utils.distributed_utils import cleanup, find_free_port, init_distributed_mode
+from multi_train_utils.guard import stop_requests
+from multi_train_utils.train_eval_utils import EpochProgress
+
+from .common import build, quiet_train_one_epoch, synthetic_batches
+from .report import row, spread
+from .scaling import barrier, rank_environment
+
+log = logging.getLogger(__name__)
+
+
+def preemption_worker(local_rank: int, args: argparse.Namespace, nprocs: int, port: int,
+                      result_dir: str) -> None:
+    """One rank: warm-up, then alternating timed passes with and without the stop poll, then
+    one mid-epoch save; its figures go to ``result_dir/rank<N>.json``."""
+    rank_environment(local_rank, nprocs, port)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    info = init_distributed_mode(device=args.device, timeout_s=600)
+    try:
+        device = info.device
+        torch.manual_seed(args.seed)
+        model, optimizer, scaler = build(args, device, info.world_size)
+        batches = synthetic_batches(args, args.steps, args.seed + info.rank,
+                                    pin=device.type == "cuda")
+        quiet_train_one_epoch(model, optimizer, batches[:args.warmup_steps], device, args, scaler)
+        seconds: dict[str, list[float]] = {"without": [], "with": []}
+        with stop_requests() as stop:
+            for repeat in range(args.repeats):
+                for name in ("without", "with") if repeat % 2 == 0 else ("with", "without"):
+                    barrier(info)
+                    start = time.perf_counter()
+                    quiet_train_one_epoch(model, optimizer, batches, device, args, scaler,
+                                          after_step=(lambda p: stop.poll()) if name == "with"
+                                          else None)
+                    seconds[name].append(time.perf_counter() - start)
+        out = Path(result_dir)
+        progress = EpochProgress(batches=args.steps, samples=args.steps * args.batch_size,
+                                 batches_in_epoch=2 * args.steps)
+        barrier(info)
+        start = time.perf_counter()
+        save_checkpoint(out, model, optimizer, scaler, {"epoch": 0}, progress=progress)
+        barrier(info)
+        save_seconds = time.perf_counter() - start
+        result = {"seconds": seconds, "save_seconds": save_seconds, "backend": info.backend}
+        with open(out / f"rank{info.rank}.json", "w", encoding="utf-8") as f:
+            json.dump(result, f)
+    finally:
+        cleanup()
+
+
+def run(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> dict[str, Any]:
+    """The stage: ``{"preemption": figures}``."""
+    nprocs = args.max_procs
+    log.info("preemption: %d process(es), the stop poll and one mid-epoch save", nprocs)
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as result_dir:
+        mp.start_processes(preemption_worker, args=(args, nprocs, find_free_port(), result_dir),
+                           nprocs=nprocs, join=True, start_method="spawn")
+        ranks = [json.loads((Path(result_dir) / f"rank{r}.json").read_text())
+                 for r in range(nprocs)]
+        size_mb = (Path(result_dir) / "checkpoint.pth").stat().st_size / 1e6
+    images = nprocs * args.batch_size * args.steps
+    rates = {name: [images / max(rank["seconds"][name][i] for rank in ranks)
+                    for i in range(args.repeats)] for name in ("without", "with")}
+    ratios = [w / wo for w, wo in zip(rates["with"], rates["without"])]
+    return {"preemption": {
+        "processes": nprocs, "backend": ranks[0]["backend"], "steps": args.steps,
+        "img_per_s_without_poll": rates["without"], "img_per_s_with_poll": rates["with"],
+        "ratio_with_to_without": ratios, "median_ratio": statistics.median(ratios),
+        "step_ms": 1e3 * args.batch_size * nprocs / statistics.median(rates["with"]),
+        "save_seconds": max(rank["save_seconds"] for rank in ranks),
+        "checkpoint_mb": size_mb, "model": args.model}}
+
+
+def table_lines(report: dict[str, Any]) -> list[str]:
+    p = report["preemption"]
+    cost = 1 - p["median_ratio"]
+    return [f"Preemption ({p['processes']} processes, {p['backend']}, {p['model']}; "
+            f"{report['config']['repeats']} alternating pairs)",
+            row("with / without the per-step stop poll", f"{p['median_ratio']:.3f}",
+                f"   cost {cost:.1%} of a step (pairs {spread(p['ratio_with_to_without'])})"),
+            row("one step", f"{p['step_ms']:.0f} ms"),
+            row("one mid-epoch save", f"{p['save_seconds']:.2f} s",
+                f"   checkpoint.pth {p['checkpoint_mb']:.0f} MB; signal to exit: a step + this")]
