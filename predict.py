@@ -7,13 +7,10 @@ Each image prints one line on stdout, tab-separated: its path, then the top-k ``
 pairs, most likely first. Folders mean every image below them (hidden files skipped).
 
 A full checkpoint (``checkpoint.pth``, ``model_best.pth``) carries its class names and training
-arguments, so it works copied anywhere on its own. Bare weights (``weights/model-N.pth``) take
-them from the run's ``class_indices.json`` and ``args.json``, found beside the file or one folder
-up (the layout training writes). ``--model``, ``--img-size`` and ``--class-indices`` override.
-
-An image that cannot be read is reported on stderr and the rest are still predicted; the exit
-code is then 1. A mistake in the arguments (a missing file, weights of another architecture or
-class count) is one ``error:`` line and exit code 2.
+arguments, so it works copied anywhere on its own; bare weights (``weights/model-N.pth``) take
+them from the run's ``class_indices.json`` and ``args.json``, beside them or one folder up. An
+unreadable image is reported on stderr and the rest still predicted (exit code 1); a mistake in
+the arguments is one ``error:`` line (exit code 2).
 
 From Python::
 
