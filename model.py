@@ -134,15 +134,11 @@ class ResNet(nn.Module):
     ``num_features`` is 512 for BasicBlock models and 2048 for Bottleneck models.
 
     Args:
-        block: residual block class, :class:`BasicBlock` or :class:`Bottleneck`.
         layers: number of blocks in each of the four stages, e.g. ``[3, 4, 6, 3]``.
-        num_classes: size of the classifier output.
-        include_top: build the global average pool and ``fc`` layer; without them the model is a
-            backbone returning the last feature map.
         zero_init_residual: start each residual branch's last norm layer at zero so every block
             begins as an identity; +0.2-0.3% top-1 per https://arxiv.org/abs/1706.02677.
-        groups: ResNeXt cardinality of the 3x3 convolutions (Bottleneck only).
-        width_per_group: channels per group per 64 planes (Bottleneck only).
+        groups, width_per_group: ResNeXt's cardinality of the 3x3 convolutions and its channels
+            per group per 64 planes (Bottleneck only).
         replace_stride_with_dilation: three flags for stages 2-4; ``True`` keeps that stage's
             resolution and dilates its convolutions instead (for dense prediction; Bottleneck only).
         norm_layer: called as ``norm_layer(num_channels)``; e.g. ``lambda c: nn.GroupNorm(32, c)``.
@@ -193,14 +189,11 @@ class ResNet(nn.Module):
             self.fc = nn.Linear(self.num_features, num_classes)
 
         # He init with fan_out preserves the variance of gradients in the backward pass through
-        # ReLUs (https://arxiv.org/abs/1502.01852); identical to torchvision so training from
-        # scratch behaves the same.
+        # ReLUs (https://arxiv.org/abs/1502.01852), as torchvision does, so training from scratch
+        # behaves the same; norm layers already start at weight 1, bias 0.
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)) and m.affine:
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
         if zero_init_residual:
             for m in self.modules():
                 last_norm = (m.bn3 if isinstance(m, Bottleneck)

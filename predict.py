@@ -7,13 +7,10 @@ Each image prints one line on stdout, tab-separated: its path, then the top-k ``
 pairs, most likely first. Folders mean every image below them (hidden files skipped).
 
 A full checkpoint (``checkpoint.pth``, ``model_best.pth``) carries its class names and training
-arguments, so it works copied anywhere on its own. Bare weights (``weights/model-N.pth``) take
-them from the run's ``class_indices.json`` and ``args.json``, found beside the file or one folder
-up (the layout training writes). ``--model``, ``--img-size`` and ``--class-indices`` override.
-
-An image that cannot be read is reported on stderr and the rest are still predicted; the exit
-code is then 1. A mistake in the arguments (a missing file, weights of another architecture or
-class count) is one ``error:`` line and exit code 2.
+arguments, so it works copied anywhere on its own; bare weights (``weights/model-N.pth``) take
+them from the run's ``class_indices.json`` and ``args.json``, beside them or one folder up. An
+unreadable image is reported on stderr and the rest still predicted (exit code 1); a mistake in
+the arguments is one ``error:`` line (exit code 2).
 
 From Python::
 
@@ -42,7 +39,7 @@ from multi_train_utils.checkpoint import extract_state_dict, load_file
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import prepare_images
 from my_dataset import check_image, load_image_tensor, printable_path
-from utils import IMG_EXTENSIONS, get_transforms, path_flag
+from utils import IMG_EXTENSIONS, HelpFormatter, get_transforms, path_flag, positive_int
 
 # Used only when neither the command line nor the run's recorded arguments say otherwise.
 DEFAULT_MODEL = "resnet34"
@@ -239,22 +236,9 @@ def _path(text: str) -> Path:
     return Path(path_flag(text))  # "~/x" arrives unexpanded when quoted or written --weights=~/x
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None: those flags say in their help where the value comes from."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Classify images with a trained checkpoint.",
-                                     add_help=add_help, formatter_class=_HelpFormatter)
+                                     add_help=add_help, formatter_class=HelpFormatter)
     parser.add_argument("images", nargs="+", type=_path, metavar="IMAGE",
                         help="image files, or folders searched recursively for image files")
     group = parser.add_argument_group("model")
@@ -266,14 +250,14 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--model", choices=list(MODELS),
                        help="architecture (default: as recorded in training, "
                             f"else {DEFAULT_MODEL})")
-    group.add_argument("--img-size", type=_positive_int,
+    group.add_argument("--img-size", type=positive_int,
                        help="crop size (default: as recorded in training, "
                             f"else {DEFAULT_IMG_SIZE})")
     group = parser.add_argument_group("inference")
-    group.add_argument("--top-k", type=_positive_int, default=5, help="classes printed per image")
+    group.add_argument("--top-k", type=positive_int, default=5, help="classes printed per image")
     group.add_argument("--device", default="auto",
                        help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
-    group.add_argument("--batch-size", type=_positive_int, default=32,
+    group.add_argument("--batch-size", type=positive_int, default=32,
                        help="images per forward pass")
     return parser
 

@@ -440,6 +440,13 @@ def number(kind: type, low: float, high: float = math.inf, *, above: bool = Fals
     return parse
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a whole number of at least 1 (predict.py, plot_results.py)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 # ---------------------------------------------------------------- demo data
 DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")  # as flower_photos
 

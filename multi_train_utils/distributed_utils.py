@@ -227,12 +227,11 @@ def reduce_value(value: torch.Tensor | float, average: bool = True) -> torch.Ten
     if not torch.is_tensor(value):
         value = torch.tensor(value, device=_collective_device(),
                              dtype=torch.float64 if isinstance(value, float) else None)
-    with torch.no_grad():
-        out = value.detach().clone()
-        if get_world_size() > 1:
-            out = out.to(_collective_device())
-            dist.all_reduce(out)
-        out = out / get_world_size() if average else out
+    out = value.detach().clone()  # a copy: all_reduce works in place
+    if get_world_size() > 1:
+        out = out.to(_collective_device())
+        dist.all_reduce(out)
+    out = out / get_world_size() if average else out
     return out.to(value.device)
 
 

@@ -3,9 +3,9 @@
 ``torch.nn.SyncBatchNorm`` only accepts CUDA tensors, so on CPU the template used to train with
 per-rank statistics while claiming SyncBN. :class:`SyncBatchNormCPU` all-reduces the per-channel
 sum, sum of squares and count (one collective per layer per forward, one per backward) with an
-autograd function whose backward all-reduces the gradients, so the
-result equals ``nn.BatchNorm2d`` on the concatenation of every rank's batch - forward, backward
-and running statistics - whatever each rank's batch size.
+autograd function whose backward all-reduces the gradients, so the result equals
+``nn.BatchNorm2d`` on the concatenation of every rank's batch - forward, backward and running
+statistics - whatever each rank's batch size.
 """
 
 from __future__ import annotations
@@ -110,18 +110,14 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module,
                                process_group: dist.ProcessGroup | None = None) -> nn.Module:
-        """Replace every ``_BatchNorm`` in ``module`` by this class, keeping parameters/buffers."""
+        """Replace every ``_BatchNorm`` in ``module`` by this class, sharing (not copying) its
+        parameters and buffers, as torch's converter does."""
         converted = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, process_group=process_group)
-            if module.affine:
-                with torch.no_grad():
-                    converted.weight = module.weight
-                    converted.bias = module.bias
-            converted.running_mean = module.running_mean
-            converted.running_var = module.running_var
-            converted.num_batches_tracked = module.num_batches_tracked
+            for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+                setattr(converted, name, getattr(module, name))
             converted.training = module.training
         for name, child in module.named_children():
             converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
@@ -130,13 +126,7 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device,
                            process_group: dist.ProcessGroup | None = None) -> nn.Module:
-    """torch's SyncBatchNorm on CUDA (fused kernels), :class:`SyncBatchNormCPU` elsewhere.
-
-    ``process_group``: whose ranks share statistics (default: all), as in torch's.
-    """
+    """torch's SyncBatchNorm on CUDA (fused kernels), :class:`SyncBatchNormCPU` elsewhere."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     return SyncBatchNormCPU.convert_sync_batchnorm(module, process_group)
-
-
-__all__ = ["SyncBatchNormCPU", "convert_sync_batchnorm"]
