@@ -24,12 +24,13 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from multi_train_utils.guard import UserError
-from utils import HelpFormatter, path_flag, positive_int
-
 METRICS_FILE = "metrics.jsonl"
 # Keys every epoch record must have to be plotted; the training script always writes them.
 REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
+
+
+class UsageError(Exception):
+    """A mistake in the inputs the user gave; the message says what and how to fix it."""
 
 
 @dataclass
@@ -59,10 +60,10 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise UserError(f"no {METRICS_FILE} in {path.parent}; "
-                        "pass the --output-dir of a training run.") from None
+        raise UsageError(f"no {METRICS_FILE} in {path.parent}; "
+                         "pass the --output-dir of a training run.") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {path} ({exc}).") from None
+        raise UsageError(f"cannot read {path} ({exc}).") from None
     by_epoch: dict[int, dict[str, Any]] = {}
     for lineno, line in enumerate(lines, start=1):
         try:
@@ -77,15 +78,15 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
             continue
         by_epoch[int(record["epoch"])] = {**record, "epoch": int(record["epoch"])}
     if not by_epoch:
-        raise UserError(f"{path} has no epoch records; has the run finished its first epoch?")
+        raise UsageError(f"{path} has no epoch records; has the run finished its first epoch?")
     return [by_epoch[epoch] for epoch in sorted(by_epoch)]
 
 
-def load_runs(run_dirs: Sequence[str | Path], labels: Sequence[str] | None = None) -> list[Run]:
+def load_runs(run_dirs: Sequence[Path], labels: Sequence[str] | None = None) -> list[Run]:
     """Read every run directory; ``labels`` (one per run) replace the folder names."""
     if labels and len(labels) != len(run_dirs):
-        raise UserError(f"got {len(labels)} --labels for {len(run_dirs)} runs; "
-                        "give one label per run.")
+        raise UsageError(f"got {len(labels)} --labels for {len(run_dirs)} runs; "
+                         "give one label per run.")
     labels = labels or [Path(d).resolve().name for d in run_dirs]
     return [Run(label, load_metrics(Path(d) / METRICS_FILE)) for d, label in zip(run_dirs, labels)]
 
@@ -146,32 +147,51 @@ def save_plots(runs: Sequence[Run], out_dir: Path, dpi: int = 120) -> list[Path]
         for name, plot in charts.items():
             plot(runs).savefig(out_dir / name, dpi=dpi)
     except OSError as exc:  # a file in the way, a read-only folder, a full disk
-        raise UserError(f"cannot write the plots into --out-dir {out_dir} "
-                        f"({exc.strerror or exc}).") from None
+        raise UsageError(f"cannot write the plots into --out-dir {out_dir} "
+                         f"({exc.strerror or exc}).") from None
     return [out_dir / name for name in charts]
 
 
 def main(args: argparse.Namespace) -> None:
     try:
-        written = save_plots(load_runs(args.run_dirs, args.labels), Path(args.out_dir), args.dpi)
-    except UserError as exc:
+        written = save_plots(load_runs(args.run_dirs, args.labels), args.out_dir, args.dpi)
+    except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print("\n".join(map(str, written)))
 
 
+def _path(text: str) -> Path:
+    if not text.strip():  # "" would mean the current folder: an unset shell variable, usually
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
+    return Path(text).expanduser()
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None: those flags say in their help what happens without them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Plot accuracy, loss and epoch time of training runs.",
-        formatter_class=HelpFormatter, add_help=add_help)
-    parser.add_argument("run_dirs", nargs="+", type=path_flag, metavar="RUN_DIR",
+        formatter_class=_HelpFormatter, add_help=add_help)
+    parser.add_argument("run_dirs", nargs="+", type=_path, metavar="RUN_DIR",
                         help=f"training --output-dir holding {METRICS_FILE}")
     group = parser.add_argument_group("output")
-    group.add_argument("--out-dir", "--output-dir", dest="out_dir", type=path_flag, required=True,
+    group.add_argument("--out-dir", "--output-dir", dest="out_dir", type=_path, required=True,
                        metavar="DIR", help="folder for the PNG files")
     group.add_argument("--labels", nargs="+", metavar="LABEL",
                        help="legend label per run (default: the folder names)")
-    group.add_argument("--dpi", type=positive_int, default=120, help="resolution of the PNG files")
+    group.add_argument("--dpi", type=_positive_int, default=120, help="resolution of the PNG files")
     return parser
 
 
