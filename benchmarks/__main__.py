@@ -22,7 +22,7 @@ import torch
 
 from model import MODELS
 from multi_train_utils.distributed_utils import COMM_HOOKS
-from utils import DataError, path_flag, write_json_atomic
+from utils import DataError, HelpFormatter, path_flag, write_json_atomic
 
 from . import loop, pipeline, preemption, scaling, with_data
 from .photos import default_image_dir
@@ -104,18 +104,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except "(default: None)": those flags say their fallback in the help text."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Benchmark the input pipeline, training loop, DDP scaling and memory.",
-        formatter_class=_HelpFormatter, add_help=add_help)
+        formatter_class=HelpFormatter, add_help=add_help)
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES),
                         help="which stages to run, in this order (with_data reads pipeline's "
                              "and loop's figures)")
