@@ -39,9 +39,8 @@ from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler,
                                                format_report, resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
 from utils import (BoolFlag, HelpFormatter, default_demo_root, epoch_record, get_transforms,
-                   label_by_class_name, log_epoch, make_demo_data, number, path_flag,
-                   scan_image_folder, split_train_val, tensorboard_writer, write_json_atomic,
-                   write_scan_files)
+                   log_epoch, make_demo_data, number, path_flag, scan_image_folder,
+                   split_train_val, tensorboard_writer, write_json_atomic, write_scan_files)
 
 log = logging.getLogger("train")
 
@@ -69,13 +68,11 @@ def main(args: argparse.Namespace) -> None:
     if args.num_classes not in (None, len(classes)):  # the class folders decide; say a mismatch
         raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} class "
                           "folders; drop the flag, or give the folder those classes.")
-    if args.val_path:  # an already split data set: all of --data-path trains
-        val_scan = run_on_main(scan_image_folder, args.val_path, min_classes=1)
-        train_paths, train_labels, _, _ = split_train_val(scan, 0.0, args.seed)
-        val_paths, val_labels = label_by_class_name(classes, val_scan.rebased(args.val_path))
-    else:  # a file's side depends only on its name and --seed: stable as the folder grows
-        train_paths, train_labels, val_paths, val_labels = split_train_val(
-            scan, args.val_rate, args.seed)
+    val_scan = (run_on_main(scan_image_folder, args.val_path, min_classes=1).rebased(
+        args.val_path) if args.val_path else None)  # a data set that comes split (all trains)
+    # A file's side depends only on its name and --seed: stable as the folder grows.
+    train_paths, train_labels, val_paths, val_labels = split_train_val(
+        scan, args.val_rate, args.seed, val_scan=val_scan)
     transforms = get_transforms(args.img_size)
     skip_log = None if args.eval_only else out / "skipped_files.txt"
     train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
@@ -97,21 +94,24 @@ def main(args: argparse.Namespace) -> None:
         raise ConfigError(f"{len(train_set)} training images make no batch of {args.batch_size} "
                           f"for each of {info.world_size} process(es); lower --batch-size.")
 
-    # 3. Model. DDP copies rank 0's weights to every rank when it wraps the model (shard_model
-    # too), so only rank 0 reads --weights. SyncBatchNorm: BatchNorm over the global batch.
-    model = get_model(args.model, num_classes=len(classes))
+    # 3. Model. Only rank 0 reads --weights: DDP copies its weights when it wraps, and under
+    # fsdp the others build on the meta device (no memory), their shards filled from rank 0's.
+    fsdp = info.world_size > 1 and args.strategy == "fsdp"
+    with torch.device("meta" if fsdp and info.rank > 0 else "cpu"):
+        model = get_model(args.model, num_classes=len(classes))
     if weights and ckpt_path is None:
         run_on_main(load_pretrained, model, weights, strict=args.eval_only)
     if args.freeze_layers:
         freeze_backbone(model)  # only fc trains; BatchNorm statistics stay as loaded
     if args.sync_bn and info.distributed:
-        model = convert_sync_batchnorm(model, device)  # torch's on CUDA, ours on CPU
+        model = convert_sync_batchnorm(model, device)  # over the global batch; ours on CPU
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
-    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    if not fsdp:  # fsdp: shard_model puts each rank's shards there
+        model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
     amp_dtype = resolve_amp_dtype(args.amp, device)
     model_without_ddp = model  # what is saved: no "module." prefix in the files
-    if info.world_size > 1 and args.strategy == "fsdp":  # each keeps 1/N, gathers per stage
-        model = shard_model(model, mixed_precision=amp_dtype)  # in place: still model_without_ddp
+    if fsdp:  # each keeps 1/N, all-gathers a residual block at a time
+        model = shard_model(model, device, mixed_precision=amp_dtype)  # in place, as it was
     elif info.distributed:  # each rank keeps all, all-reduces the gradients
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,

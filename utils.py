@@ -171,16 +171,22 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True,
     return FolderScan(root, classes, images, skipped)
 
 
-def split_train_val(scan: FolderScan, val_rate: float, seed: int
+def split_train_val(scan: FolderScan, val_rate: float, seed: int,
+                    val_scan: FolderScan | None = None
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
     """Split each class: a file validates when the hash of ``(seed, its path below the root)``
     falls below ``val_rate``. Returns ``(train_paths, train_labels, val_paths, val_labels)``.
+    With ``val_scan`` (a data set that comes split, ``--val-path``) all of ``scan`` trains and
+    ``val_scan``'s images validate, labelled by their class folder's name.
 
     Unlike drawing ``k`` images per class (the classic template), adding or removing files moves
     no other file across, and a moved data root splits the same way (as TensorFlow's
     speech_commands ``which_set``). With ``0 < val_rate < 1`` a class of two or more images
     keeps one on each side: its lowest hash validates, its highest trains.
     """
+    if val_scan is not None:
+        return (*split_train_val(scan, 0.0, seed)[:2],
+                *label_by_class_name(scan.classes, val_scan))
     if not 0 <= val_rate <= 1:
         raise DataError(f"--val-rate {val_rate} must be between 0 and 1.")
     prefix = os.path.join(scan.root, "")

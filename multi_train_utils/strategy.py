@@ -3,12 +3,14 @@
 ``--strategy ddp`` (the default) keeps the whole model, its gradients and its optimizer state on
 every rank and all-reduces the gradients: the fastest choice whenever they fit on one device.
 ``--strategy fsdp`` (FSDP2, ``torch.distributed.fsdp.fully_shard``) keeps 1/N of each on each
-rank: it all-gathers a stage's parameters just before that stage's forward (and again for its
-backward) and reduce-scatters its gradients, so a model whose training state does not fit one
-device trains on several. Both take the same optimizer steps (tests/test_fsdp.py); checkpoints
-hold full state dicts either way (``checkpoint.py``), so a run resumes under either strategy.
+rank: it all-gathers a block's parameters just before that block's forward (and again for its
+backward) and reduces its gradients to their shards, so a model whose training state does not
+fit one device trains on several. Both take the same optimizer steps (tests/test_fsdp.py); a
+checkpoint of either resumes under either (``checkpoint.py``).
 
-    model = shard_model(model, mixed_precision=torch.bfloat16)   # in place of DDP(model)
+    with torch.device("meta" if rank > 0 else "cpu"):             # no memory on ranks > 0
+        model = build_model()
+    model = shard_model(model, device, mixed_precision=torch.bfloat16)  # in place of DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), ...)          # after: on the shards
     with gradient_sync(model, enabled=last_micro_batch): loss.backward()
 """
@@ -27,7 +29,7 @@ from .guard import ConfigError
 
 log = logging.getLogger("train")
 STRATEGIES = ("ddp", "fsdp")
-RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
+RESIDUAL_BLOCKS = ("BasicBlock", "Bottleneck")  # ResNet's, ours and torchvision's
 
 
 def check_strategy(strategy: str, world_size: int, *, compile: bool, comm_hook: str) -> None:
@@ -45,36 +47,43 @@ def check_strategy(strategy: str, world_size: int, *, compile: bool, comm_hook: 
                  "training as ddp does.")
 
 
-def shard_model(model: nn.Module, *, mixed_precision: torch.dtype | None = None,
-                units: Sequence[str] = RESNET_STAGES) -> nn.Module:
-    """Shard ``model`` in place with FSDP2 (the caller's process group must be initialised):
-    each child named in ``units`` (ResNet's residual stages) is one unit that is all-gathered
-    whole for its forward and backward, the root holds the rest (stem, fc). Returns ``model``,
-    now also an ``FSDPModule`` whose parameters are ``DTensor`` shards; build the optimizer
-    after this, on ``model.parameters()``. Without the units, the root is the only unit: state
-    is still sharded, but the whole model is gathered at once during forward.
+def shard_model(model: nn.Module, device: torch.device | None = None, *,
+                mixed_precision: torch.dtype | None = None,
+                units: Sequence[type[nn.Module] | str] = RESIDUAL_BLOCKS) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is; the
+    caller's process group must be initialised). Each submodule whose class is in ``units`` (a
+    class or a class name: the residual blocks of ours and torchvision's ResNets) is one unit,
+    all-gathered alone for its forward and backward; the root holds the rest (stem, fc).
+    Returns ``model``, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards; build
+    the optimizer after this, on ``model.parameters()``.
+
+    Every rank but 0 may build ``model`` on the meta device (``with torch.device("meta")``:
+    no memory): each rank materialises only its shards, and rank 0's real model (its seed, its
+    init, its ``--weights``) fills every rank's shards, one tensor at a time
+    (``set_model_state_dict(..., broadcast_from_rank0=True)``). So the model must fit in rank
+    0's host memory, not in one device.
 
     ``mixed_precision`` (``--amp``): parameters are gathered and computed in that dtype and
-    gradients reduced in float32; BatchNorm keeps float32 weights (its kernels take a bf16 input
-    only with float32 weights and statistics), in one unit per stage so it adds few collectives.
+    gradients reduced in float32; BatchNorm keeps float32 weights (its kernels take a 16-bit
+    input only with float32 weights and statistics), one extra unit per block.
     """
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # DDP copies rank 0's weights to every rank when it wraps; fully_shard only cuts each rank's
-    # own tensors, so copy them first (only rank 0 read --weights).
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
-    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    # Rank 0's real tensors, held before fully_shard swaps in the shards (state_dict() copies
+    # nothing): the values every rank's shards take.
+    whole = model.state_dict() if dist.get_rank() == 0 else {}
+    device = device or next(model.parameters()).device
     # Without a mesh, fully_shard puts the shards on the machine's accelerator: a --device cpu
-    # run on a GPU host would shard onto CUDA under a gloo group. The model's device decides.
-    device = next(model.parameters()).device
+    # run on a GPU host would shard onto CUDA under a gloo group. The run's device decides.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    stages = [getattr(model, name) for name in units if hasattr(model, name)]
-    inner = {id(m) for stage in stages for m in stage.modules()}
-    for unit in [*stages, model]:
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    blocks = [m for m in model.modules()
+              if type(m) in units or type(m).__name__ in units and m is not model]
+    inner = {id(m) for block in blocks for m in block.modules()}
+    for unit in [*blocks, model]:
         if mixed_precision is not None:
             norms = [m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
                      and (unit is not model or id(m) not in inner)]
@@ -83,6 +92,10 @@ def shard_model(model: nn.Module, *, mixed_precision: torch.dtype | None = None,
         # The root too frees its gathered parameters after forward (FSDP2 keeps them by default,
         # for the backward that follows): after evaluate() no unit stays whole.
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=device)  # this rank's shards, uninitialised until filled below
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
     model.register_forward_pre_hook(_share_buffers_for_eval)
     return model
 
