@@ -80,8 +80,9 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
     # run on a GPU host would shard onto CUDA under a gloo group. The run's device decides.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    blocks = [m for m in model.modules()
-              if type(m) in units or type(m).__name__ in units and m is not model]
+    classes = tuple(u for u in units if isinstance(u, type))
+    blocks = [m for m in model.modules() if m is not model
+              and (isinstance(m, classes) or type(m).__name__ in units)]
     inner = {id(m) for block in blocks for m in block.modules()}
     for unit in [*blocks, model]:
         if mixed_precision is not None:

@@ -17,6 +17,9 @@
 from __future__ import annotations
 
 import copy
+import gc
+import os
+import re
 import signal
 import sys
 
@@ -29,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from conftest import (LAUNCH, SPAWN, ProcessTree, assert_user_error, clone_run, epochs_done,
                       flags, load_ckpt, make_stopper, read_metrics, run, torchrun_cmd)
 from dist_helpers import run_ranks
-from model import get_model
+from model import Bottleneck, get_model
 from multi_train_utils.checkpoint import whole_state
 from multi_train_utils.strategy import gradient_sync, local_bytes, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
@@ -161,6 +164,76 @@ def test_each_fsdp_rank_holds_a_half_and_skips_reductions_when_told(tmp_path):
 
 
 # ---------------------------------------------------------------- runs, restarts, resume
+def _peak_rss_growth(build) -> tuple[object, int]:
+    """``build()`` and how far this process's peak resident memory rose meanwhile (bytes)."""
+    def high_water() -> int:
+        text = open("/proc/self/status").read()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", text)[1]) * 1024
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from what is resident now
+    before = high_water()
+    result = build()
+    return result, high_water() - before
+
+
+class _Wide(nn.Module):
+    """512 MiB of float32 in 128 square layers: the build's memory dwarfs the noise (layers of
+    4 MiB, which glibc hands back to the system once freed)."""
+
+    def __init__(self, layers: int = 128) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(layers)])
+
+
+def _build_memory_worker(rank: int, world: int, meta: bool) -> dict:
+    shard_model(_Wide(layers=2), CPU, units=(nn.Linear,))  # imports and mesh: not the model's
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        with torch.device("meta" if meta and rank > 0 else "cpu"):
+            model = _Wide()
+        return shard_model(model, CPU, units=(nn.Linear,))  # a user's own block class
+
+    model, growth = _peak_rss_growth(build)
+    torch.manual_seed(0)
+    return dict(growth=growth, first=model.layers[0].weight.full_tensor(),
+                expected=_Wide().layers[0].weight.detach())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux /proc only")
+def test_ranks_but_0_build_on_the_meta_device_and_hold_only_their_shards(tmp_path):
+    """Rank 1's peak memory while the model is built and sharded: its half, not the whole."""
+    model_bytes = 128 * 1024 * 1024 * 4
+    on_meta = run_ranks(_build_memory_worker, 2, tmp_path / "meta", True)
+    everywhere = run_ranks(_build_memory_worker, 2, tmp_path / "whole", False)  # the old way
+    assert on_meta[1]["growth"] < 0.6 * model_bytes, on_meta[1]["growth"] / model_bytes
+    # The old way: the whole model (less a few MB the allocator had free from the warm-up).
+    assert everywhere[1]["growth"] >= 0.95 * model_bytes, everywhere[1]["growth"] / model_bytes
+    for rank in on_meta:  # rank 0's initial weights, as an unsharded build's, in every shard
+        assert torch.equal(rank["first"], rank["expected"])
+
+
+def _units_worker(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    model = shard_model(get_model("resnet50", num_classes=CLASSES), CPU)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    inner = {m: {id(p) for u in m.modules() if u is not m and isinstance(u, FSDPModule)
+                 for p in u.parameters()} for m in units}
+    sizes = [sum(p.numel() for p in m.parameters() if id(p) not in inner[m]) for m in units]
+    blocks = [sum(p.numel() for p in m.parameters())
+              for m in model.modules() if isinstance(m, Bottleneck)]
+    return dict(units=len(units), largest=max(sizes), block=max(blocks), blocks=len(blocks))
+
+
+def test_each_fsdp_unit_is_at_most_one_residual_block(tmp_path):
+    got = run_ranks(_units_worker, 2, tmp_path)[0]
+    assert got["units"] == got["blocks"] + 1 == 17  # resnet50's 16 blocks, and the root
+    assert got["largest"] <= got["block"]
+
+
 def _mesh_worker(rank: int, world: int) -> list[str]:
     # fully_shard without a mesh takes the machine's accelerator: on a GPU host a --device cpu
     # run would shard onto CUDA under a gloo group. Here any use of that default fails.
