@@ -26,13 +26,14 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from model import MODELS, freeze_backbone, get_model
-from multi_train_utils.checkpoint import (claim_output_dir, load_checkpoint, load_pretrained,
-                                          move_earlier_run, rerun_hint, restore, resume_path,
-                                          save_checkpoint, step_saves, write_metrics)
+from multi_train_utils.checkpoint import (load_checkpoint, load_pretrained, restore,
+                                          save_checkpoint, step_saves)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
                                                  cleanup, cpus_per_process, init_distributed_mode,
                                                  register_comm_hook, run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
+from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
+                                          resume_path, write_metrics)
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,

@@ -21,9 +21,9 @@ from urllib.parse import urlparse
 import torch
 import torch.multiprocessing as mp
 
-from multi_train_utils.checkpoint import rerun_hint
 from multi_train_utils.distributed_utils import find_free_port
 from multi_train_utils.guard import EXIT_USER_ERROR, STOP_SIGNALS, ConfigError, guarded
+from multi_train_utils.run_folder import rerun_hint
 from train_multi_gpu_using_launch import get_args_parser, main
 
 log = logging.getLogger("spawn")

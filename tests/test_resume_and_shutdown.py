@@ -171,7 +171,7 @@ def test_resume_none_starts_from_weights_of_the_run_it_moves_aside(reference_run
 
 def test_move_earlier_run_says_where_the_files_a_run_reads_went(tmp_path):
     """No training: which files move, and where --resume and --weights then read them."""
-    from multi_train_utils.checkpoint import move_earlier_run
+    from multi_train_utils.run_folder import move_earlier_run
 
     out = tmp_path / "run"
     (out / "weights").mkdir(parents=True)

@@ -1,0 +1,110 @@
+"""The run folder: one run per ``--output-dir``, locked while it lives; where a run continues
+from; an earlier run moved aside, never overwritten; the line that says how to continue."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import CheckpointError
+
+log = logging.getLogger("train")
+RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "tensorboard",
+             "args.json", "class_indices.json", "skipped_files.txt", "class_distribution.png")
+
+
+def claim_output_dir(out: Path) -> None:
+    """Rank 0: make ``out`` and lock it for this run (``<out>/.lock``), so a second run there,
+    e.g. a rerun while orphans of a killed job still train, cannot interleave checkpoints.
+
+    The kernel drops the lock when the process dies, however it dies; the file stays open until
+    then on purpose. ``lockf``, not ``flock``: forked DataLoader workers do not inherit it.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write to --output-dir {out} ({exc.strerror}); choose a "
+                              "folder you can write to.") from None
+    try:
+        import fcntl  # POSIX; elsewhere (Windows) the run goes unlocked
+
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:
+        return
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise CheckpointError(f"another training run (pid {holder}) is using --output-dir {out}; "
+                              "wait for it or stop it, or use another --output-dir.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def resume_path(resume: str, out: Path, eval_weights: bool = False) -> str | None:
+    """The checkpoint a run continues from: ``auto`` is ``<out>/checkpoint.pth`` if it exists.
+    ``eval_weights``: ``--eval-only --weights FILE`` scores that file, not the folder's run."""
+    if eval_weights and resume == "auto":
+        return None
+    if resume == "none":
+        # A restart by torchrun (--max-restarts) continues what this launch began.
+        resume = "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 else "none"
+    if resume == "auto":
+        return str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
+    return None if resume == "none" else resume
+
+
+def rerun_hint(output_dir: str | os.PathLike, resume: str) -> str:
+    """How to continue after a stop, for the last line a stopped run says."""
+    out = Path(output_dir)
+    if not (out / "checkpoint.pth").is_file():
+        return "run the same command again to start"
+    last = f"the last complete checkpoint in {out}"
+    if resume == "auto":
+        return f"run the same command again: it continues from {last}"
+    return f"run it again with --resume auto to continue from {last}"
+
+
+def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | None = None
+                     ) -> tuple[str | None, str | None]:
+    """Rank 0, unless continuing ``<out>/checkpoint.pth``: an earlier run's files in ``out`` go
+    to ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run.
+    Returns the ``--resume`` checkpoint and the ``--weights`` file where they are now: one that
+    was among the files moved (``--resume <out>/model_best.pth``) is read from its new place."""
+    if resume_from and _absolute(resume_from) == _absolute(out / "checkpoint.pth"):
+        return resume_from, weights  # this run goes on: nothing moves
+    found = [out / name for name in RUN_FILES if (out / name).exists()]
+    if not any(p.name in ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl")
+               for p in found):
+        return resume_from, weights
+    aside = out / "previous-runs" / time.strftime("%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in found:
+        path.rename(aside / path.name)
+    log.info("the earlier run's files in %s were moved to %s", out, aside)
+
+    moved = {p.name for p in found}
+
+    def where_now(path: str | None) -> str | None:
+        if path is None or not _absolute(path).is_relative_to(_absolute(out)):
+            return path
+        inside = _absolute(path).relative_to(_absolute(out))
+        return str(aside / inside) if inside.parts and inside.parts[0] in moved else path
+
+    return where_now(resume_from), where_now(weights)
+
+
+def _absolute(path: str | os.PathLike) -> Path:
+    """``path`` made absolute and normalised, links not followed (they may be moved too)."""
+    return Path(os.path.abspath(path))
+
+
+def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
+    """``metrics.jsonl`` as the checkpoint records it: each finished epoch once, even if the last
+    attempt died between its checkpoint and its metrics line."""
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history),
+                                       encoding="utf-8")
