@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from model import MODELS, get_model
-from multi_train_utils.checkpoint import extract_state_dict, load_file
+from multi_train_utils.checkpoint import extract_state_dict, load_file, save_atomic
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import prepare_images
 from my_dataset import check_image, load_image_tensor, printable_path
@@ -112,7 +112,7 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     weights = Path(weights)
     obj = load_file(weights)  # CPU, weights_only=True: a file from elsewhere cannot run code
     state_dict = extract_state_dict(obj, weights)
-    full = isinstance(obj, dict) and isinstance(obj.get("model"), dict)
+    full = isinstance(obj, dict) and (isinstance(obj.get("model"), dict) or "shards" in obj)
     recorded = obj.get("args") if full else None
     if not isinstance(recorded, dict):  # bare weights: the run's args.json records them
         recorded = _read_args(run_file(weights, "args.json"))
@@ -211,9 +211,14 @@ def _device(name: str) -> torch.device:
 def main(args: argparse.Namespace) -> None:
     try:
         device = _device(args.device)
+        if not (args.images or args.export):
+            raise UserError("no images given: name image files or folders (or --export FILE).")
         model, classes, img_size = load_predictor(args.weights, model=args.model,
                                                   img_size=args.img_size,
                                                   class_indices=args.class_indices)
+        if args.export:  # any checkpoint of a run, sharded (fsdp) or not: torchvision's format
+            save_atomic(model.state_dict(), args.export)
+            return print(f"wrote {args.export}: the model of {args.weights}, as a state dict")
         paths = collect_images(args.images)
         if not paths:
             raise UserError(f"no image files in {', '.join(map(str, args.images))}.")
@@ -239,7 +244,7 @@ def _path(text: str) -> Path:
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Classify images with a trained checkpoint.",
                                      add_help=add_help, formatter_class=HelpFormatter)
-    parser.add_argument("images", nargs="+", type=_path, metavar="IMAGE",
+    parser.add_argument("images", nargs="*", type=_path, metavar="IMAGE",
                         help="image files, or folders searched recursively for image files")
     group = parser.add_argument_group("model")
     group.add_argument("--weights", type=_path, required=True, metavar="PATH",
@@ -250,6 +255,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--model", choices=list(MODELS),
                        help="architecture (default: as recorded in training, "
                             f"else {DEFAULT_MODEL})")
+    group.add_argument("--export", type=_path, metavar="FILE",
+                       help="write the model's weights to FILE (a state dict torchvision loads; "
+                            "from any checkpoint, sharded or not) instead of predicting")
     group.add_argument("--img-size", type=positive_int,
                        help="crop size (default: as recorded in training, "
                             f"else {DEFAULT_IMG_SIZE})")

@@ -141,9 +141,8 @@ def main(args: argparse.Namespace) -> None:
         start_epoch, best_acc, best_loss, history, progress = restore(
             ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
     if args.eval_only:
-        result = evaluate(model, val_loader, device, amp_dtype=amp_dtype,
-                          channels_last=channels_last)
-        log.info(format_report(result, classes))
+        log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
+                                        channels_last=channels_last), classes))
         return cleanup()
     run_on_main(write_metrics, out, history)  # each finished epoch once, as the checkpoint says
     if start_epoch >= args.epochs:
@@ -189,10 +188,11 @@ def main(args: argparse.Namespace) -> None:
             if is_best:
                 best_acc, best_loss = result.top1, result.loss
             state.update(best_acc=best_acc, best_loss=best_loss)
-            save(record=record, is_best=is_best, keep_last=args.keep_last)  # every rank saves
+            last = epoch + 1 == args.epochs  # fsdp: its save also exports the last and best weights
+            save(record=record, is_best=is_best, keep_last=args.keep_last, final=last)
             if writer:  # the confusion matrix once, at the end
-                log_epoch(writer, record, classes, result.confusion, epoch + 1 == args.epochs)
-            if epoch + 1 < args.epochs and stop.poll(lag=False):  # during evaluation or the save
+                log_epoch(writer, record, classes, result.confusion, last)
+            if not last and stop.poll(lag=False):  # a signal during evaluation or the save
                 stop.stop()
             progress = EpochProgress()
     cleanup()

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch.nn as nn
 from .distributed_utils import (all_gather_object, all_ranks_ok, get_world_size,
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
+from .strategy import is_sharded, load_shards, read_shards, save_shards
 from .train_eval_utils import EpochProgress
 
 log = logging.getLogger("train")
@@ -68,12 +70,22 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
 
 
 def load_file(path: str | os.PathLike) -> Any:
-    """``torch.load`` on the CPU with ``weights_only=True``; one sentence for an unusable file."""
+    """``torch.load`` on the CPU with ``weights_only=True``, memory-mapped (a tensor is read when
+    it is used); one sentence for an unusable file. A sharded checkpoint's ``shards`` folder is
+    given back as a full path."""
     if not os.path.isfile(path):
         what = "is a folder; give a file in it" if os.path.isdir(path) else "does not exist"
         raise CheckpointError(f"{path} {what}.")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:  # a file in torch's legacy format cannot be mapped
+            if "mmap" not in str(exc):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(obj, dict) and isinstance(obj.get("shards"), str):
+            obj["shards"] = str(Path(path).parent / obj["shards"])
+        return obj
     except Exception as exc:  # truncated, damaged, pickled objects, another format
         detail = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().split("\n")[0][:160]
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint "
@@ -83,6 +95,13 @@ def load_file(path: str | os.PathLike) -> Any:
 def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model state dict in ``obj`` (ours, torchvision's or Lightning's checkpoint, or a bare
     state dict), without the ``module.`` / ``_orig_mod.`` prefixes of wrappers."""
+    if isinstance(obj, dict) and "shards" in obj and "model" not in obj:  # saved under fsdp
+        try:
+            obj = read_shards(obj["shards"])
+        except Exception as exc:  # missing, or a save that never finished
+            raise CheckpointError(f"{path} names the shards {obj['shards']}, which cannot be "
+                                  f"read ({type(exc).__name__}); copy the whole run folder."
+                                  ) from None
     for key in ("model", "state_dict", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -136,9 +155,13 @@ def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:
     problem, ckpt = None, None
     try:
         ckpt = load_file(path)
-        if not isinstance(ckpt, dict) or not {"model", "optimizer", "epoch"} <= ckpt.keys():
+        if not isinstance(ckpt, dict) or not ({"model", "optimizer", "epoch"} <= ckpt.keys()
+                                              or {"shards", "epoch"} <= ckpt.keys()):
             raise CheckpointError(f"{path} is not a training checkpoint (model, optimizer, "
                                   "epoch); to start from its weights use --weights instead.")
+        if "shards" in ckpt and not os.path.isfile(os.path.join(ckpt["shards"], ".metadata")):
+            raise CheckpointError(f"{path} names the shards {ckpt['shards']}, which are not "
+                                  "there (complete); copy the whole run folder.")
         saved = ckpt.get("args", {})
         keys = ("model",) if args.eval_only else MUST_MATCH  # evaluation trains nothing
         differ = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
@@ -188,6 +211,33 @@ def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
+def _prune_shards(out: Path, keep_last: int) -> None:
+    """Rank 0, after a save: remove the shard folders nothing needs (see save_checkpoint)."""
+    named = {Path(load_file(out / f)["shards"]).name for f in ("checkpoint.pth", "model_best.pth")
+             if (out / f).is_file()}
+    epochs = sorted((p for p in (out / "shards").iterdir()
+                     if re.fullmatch(r"epoch-\d+", p.name) and (p / ".metadata").is_file()),
+                    key=lambda p: int(p.name[6:]))
+    kept = {p.name for p in epochs[-keep_last:]} if keep_last else {p.name for p in epochs}
+    for folder in (out / "shards").iterdir():
+        if folder.name not in named | kept:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
+    """The final FSDP save: the last model, gathered a tensor at a time to rank 0's CPU, and the
+    best one, read from its shards, as ``weights/model-N.pth`` (torchvision's format)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    last = get_model_state_dict(unwrap(model), options=options)  # {} on the other ranks
+    if is_main_process():
+        save_atomic(last, out / "weights" / f"model-{epoch}.pth")
+        best = load_file(out / "model_best.pth")
+        if best["epoch"] != epoch:
+            save_atomic(read_shards(best["shards"]), out / "weights" / f"model-{best['epoch']}.pth")
+
+
 def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
             images_per_step: int, rank: int
@@ -202,7 +252,10 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     lr is scaled by the same factor (linear scaling, Goyal et al. 2017, arXiv:1706.02677).
     """
     try:
-        load_whole_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+        if "shards" in ckpt:
+            load_shards(ckpt["shards"], model, optimizer)
+        else:
+            load_whole_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
     except (ValueError, KeyError) as exc:  # other trainable parameters (--freeze-layers)
         raise CheckpointError(f"the optimizer state of the checkpoint does not fit this run "
                               f"({exc}); use the flags it was trained with.") from None
@@ -242,37 +295,53 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
 def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, state: dict[str, Any], *,
                     record: dict[str, Any] | None = None, is_best: bool = False,
-                    keep_last: int = 0, progress: EpochProgress | None = None) -> None:
-    """Every rank calls it (FSDP gathers the shards; the RNG states and loss sums are gathered)
-    and rank 0 adds the whole model and optimizer state to ``state`` (epoch, metrics, ...). At an
-    epoch's end (``record``, its metrics line) it writes the epoch's weights, the best model,
-    ``checkpoint.pth`` (last: it marks the epoch done) and the metrics line; part-way through
-    (``progress``) only ``checkpoint.pth``, with where the epoch stands. A stop signal waits
-    until the files are on disk: a save takes seconds, launchers wait longer before SIGKILL."""
+                    keep_last: int = 0, progress: EpochProgress | None = None,
+                    final: bool = False) -> None:
+    """Every rank calls it; rank 0 writes ``state`` (epoch, metrics, ...) with the model and
+    optimizer state, every rank's RNG state and (``progress``) where the epoch stands. At an
+    epoch's end (``record``, its metrics line) also the epoch's weights, the best model and the
+    metrics line; part-way (``progress``) ``checkpoint.pth`` alone. ``checkpoint.pth`` is written
+    last: it marks a complete save. A stop signal waits until the files are on disk.
+
+    Under DDP the state is whole tensors in ``checkpoint.pth`` (``--keep-last`` K: the newest K
+    ``weights/model-N.pth``). Under FSDP each rank writes its own shards, nothing gathered, to
+    ``shards/epoch-N[-step-S]/`` (``torch.distributed.checkpoint``: a folder every rank can see),
+    and ``checkpoint.pth`` names that folder; the newest K epochs' folders are kept, those
+    ``checkpoint.pth`` and ``model_best.pth`` name, and none that is incomplete. The ``final``
+    save also writes the last and the best model to ``weights/``, torchvision's format."""
     with signals_deferred():
-        weights, optimizer_state = whole_state(model, optimizer)
+        if is_sharded(model):
+            tag = f"epoch-{state['epoch']}" + (f"-step-{progress.batches}" if progress else "")
+            state = {**state, "shards": f"shards/{tag}"}
+            save_shards(out / state["shards"], model, optimizer)
+        else:
+            weights, optimizer_state = whole_state(model, optimizer)
+            state = {**state, "model": weights, "optimizer": optimizer_state}
         rng_states = all_gather_object(capture_rng_state())
         if progress is not None:
             loss_sum, count = reduce_value(progress.loss, average=False).tolist()
-            state = {**state, "in_epoch": {
+            state["in_epoch"] = {
                 "batches": progress.batches, "batches_in_epoch": progress.batches_in_epoch,
-                "samples": progress.samples, "loss_sum": loss_sum, "count": count}}
+                "samples": progress.samples, "loss_sum": loss_sum, "count": count}
         if is_main_process():
-            state = {"model": weights, "optimizer": optimizer_state, **state,
-                     "rng_states": rng_states}
+            state["rng_states"] = rng_states
             if scaler.is_enabled():
                 state["scaler"] = scaler.state_dict()
             _write(out, state, record, is_best, keep_last)
+        if final and "shards" in state:
+            _export_weights(out, model, state["epoch"])
 
 
 def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_best: bool,
            keep_last: int) -> None:
     epoch = state["epoch"]
-    if record is not None:
+    if record is not None and "model" in state:
         save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
     if is_best:
         save_atomic(state, out / "model_best.pth")
     save_atomic(state, out / "checkpoint.pth")
+    if "shards" in state:
+        _prune_shards(out, keep_last)
     if record is None:
         return
     with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:

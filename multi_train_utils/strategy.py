@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -101,13 +102,64 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
     return model
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds FSDP shards (:func:`shard_model`), under torch.compile too."""
+    return hasattr(getattr(model, "_orig_mod", model), "set_requires_gradient_sync")
+
+
+def save_shards(folder: str | os.PathLike, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its own shards of the (bare) model's and the optimizer's state into
+    ``folder``, gathering nothing: ``torch.distributed.checkpoint``."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    share_buffers(model)  # rank 0's BatchNorm statistics, as a whole-state save takes them
+    save({"model": get_model_state_dict(model),
+          "optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder)
+
+
+def load_shards(folder: str | os.PathLike, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> None:
+    """Inverse of :func:`save_shards` at any world size, under FSDP, DDP or in one process:
+    ``torch.distributed.checkpoint`` reads into each rank's own tensors what they hold."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model),  # the optimizer's lazy state made, zeros
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def read_shards(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The whole model state dict in a :func:`save_shards` folder, read by this process alone
+    (to predict, to export): tensors as the folder's index describes them."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    index = FileSystemReader(folder).read_metadata().state_dict_metadata
+    model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in index.items() if k.startswith("model.") and hasattr(m, "size")}
+    load({"model": model}, checkpoint_id=folder, no_dist=True)
+    return model
+
+
 def _share_buffers_for_eval(module: nn.Module, inputs: object) -> None:
     """Before an eval-mode forward, every rank takes rank 0's buffers (BatchNorm's running
     statistics), as DDP's ``broadcast_buffers`` does: each rank scores its share of the val set
     with the statistics that are saved. FSDP2 leaves buffers unsharded and unsynchronised; with
     SyncBatchNorm they are equal anyway, and training-mode forwards do not read them."""
-    if module.training:
-        return
+    if not module.training:
+        share_buffers(module)
+
+
+def share_buffers(module: nn.Module) -> None:
+    """Every rank takes rank 0's floating-point buffers, in one collective."""
     buffers = [b for b in module.buffers() if b.is_floating_point()]
     if not buffers:
         return
@@ -151,4 +203,5 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             "optimizer": size(iter(state))}
 
 
-__all__ = ["STRATEGIES", "check_strategy", "shard_model", "gradient_sync", "local_bytes"]
+__all__ = ["STRATEGIES", "check_strategy", "shard_model", "gradient_sync", "local_bytes",
+           "is_sharded", "save_shards", "load_shards", "read_shards"]

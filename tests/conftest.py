@@ -126,6 +126,8 @@ def clone_run(src: Path, dst: Path, *, full: bool = False) -> Path:
     for name in ("checkpoint.pth", "args.json", "class_indices.json", "metrics.jsonl"):
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
+    if (src / "shards").is_dir():  # an fsdp run's checkpoint.pth names its shards there
+        shutil.copytree(src / "shards", dst / "shards")
     return dst
 
 

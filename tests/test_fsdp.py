@@ -29,12 +29,14 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import (LAUNCH, SPAWN, ProcessTree, assert_user_error, clone_run, epochs_done,
-                      flags, load_ckpt, make_stopper, read_metrics, run, torchrun_cmd)
+from conftest import (LAUNCH, SPAWN, ProcessTree, assert_same_tensors, assert_user_error,
+                      clone_run, epochs_done, flags, load_ckpt, make_stopper, read_metrics, run,
+                      torchrun_cmd)
 from dist_helpers import run_ranks
-from model import Bottleneck, get_model
-from multi_train_utils.checkpoint import whole_state
-from multi_train_utils.strategy import gradient_sync, local_bytes, shard_model
+from model import Bottleneck, ResNet, get_model
+from multi_train_utils.checkpoint import extract_state_dict, load_file, whole_state
+from multi_train_utils.strategy import (RESIDUAL_BLOCKS, gradient_sync, load_shards, local_bytes,
+                                        read_shards, save_shards, shard_model)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
@@ -215,6 +217,68 @@ def test_ranks_but_0_build_on_the_meta_device_and_hold_only_their_shards(tmp_pat
         assert torch.equal(rank["first"], rank["expected"])
 
 
+def _stepped(model: nn.Module, rank: int) -> torch.optim.Optimizer:
+    """One SGD step with momentum on ``model`` (a batch of this rank's): an optimizer state."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(BATCH, 3, 32, 32, generator=gen) if isinstance(model, ResNet) else \
+        torch.randn(BATCH, 1024, generator=gen)
+    model(x).float().square().mean().backward()
+    optimizer.step()
+    return optimizer
+
+
+def _save_shards_worker(rank: int, world: int, folder: str, wide: bool) -> dict:
+    torch.manual_seed(0)
+    with torch.device("meta" if rank else "cpu"):
+        bare = _Wide(layers=64) if wide else get_model("resnet18", num_classes=CLASSES)
+    model = shard_model(bare, CPU, units=(nn.Linear,) if wide else RESIDUAL_BLOCKS)
+    optimizer = _stepped(model if not wide else model.layers, rank)
+    _, growth = _peak_rss_growth(lambda: save_shards(folder, model, optimizer))
+    return dict(growth=growth, whole=None if wide else whole_state(model, optimizer))
+
+
+def _load_shards_worker(rank: int, world: int, folder: str, strategy: str) -> dict:
+    model = get_model("resnet18", num_classes=CLASSES)
+    wrapped = shard_model(model, CPU) if strategy == "fsdp" else DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    load_shards(folder, model, optimizer)
+    return whole_state(wrapped, optimizer)
+
+
+def _assert_same_state(got: tuple, expected: tuple) -> None:
+    assert_same_tensors(got[0], expected[0])
+    state, want = got[1]["state"], expected[1]["state"]
+    assert state.keys() == want.keys()
+    assert_same_tensors({k: v["momentum_buffer"] for k, v in state.items()},
+                        {k: v["momentum_buffer"] for k, v in want.items()})
+
+
+def test_sharded_checkpoints_reload_under_fsdp_ddp_and_in_one_process(tmp_path):
+    """FSDP x 2 saves its shards; FSDP x 2, DDP x 2 and one process without a group read them
+    back to the state whole_state() gave before the save, tensor for tensor."""
+    folder = str(tmp_path / "shards")
+    expected = run_ranks(_save_shards_worker, 2, tmp_path / "save", folder, False)[0]["whole"]
+    for strategy in ("fsdp", "ddp"):
+        _assert_same_state(run_ranks(_load_shards_worker, 2, tmp_path / strategy, folder,
+                                     strategy)[0], expected)
+    model = get_model("resnet18", num_classes=CLASSES)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    load_shards(folder, model, optimizer)  # no process group
+    _assert_same_state(whole_state(model, optimizer), expected)
+    assert_same_tensors(read_shards(folder), expected[0])  # the template-free read
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux /proc only")
+def test_each_rank_writes_its_half_and_rank_0_gathers_nothing(tmp_path):
+    folder = tmp_path / "shards"
+    got = run_ranks(_save_shards_worker, 2, tmp_path / "ranks", str(folder), True)
+    state_bytes = 2 * 64 * 1024 * 1024 * 4  # the model and its momentum
+    sizes = [(folder / f"__{rank}_0.distcp").stat().st_size for rank in (0, 1)]
+    assert all(0.45 < size / state_bytes < 0.55 for size in sizes), sizes
+    assert got[0]["growth"] < 0.6 * state_bytes, got[0]["growth"] / state_bytes
+
+
 def _units_worker(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
@@ -282,19 +346,52 @@ def assert_close_runs(out, expected_out, epochs: range) -> None:
             assert got[key] == pytest.approx(want[key], abs=1e-4), (key, got, want)
     final, expected = load_ckpt(out / "checkpoint.pth"), load_ckpt(expected_out / "checkpoint.pth")
     assert final["epoch"] == expected["epoch"] == epochs[-1]
-    torch.testing.assert_close(final["model"], expected["model"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model_of(out / "checkpoint.pth"),
+                               model_of(expected_out / "checkpoint.pth"), rtol=1e-4, atol=1e-5)
+
+
+def model_of(path) -> dict:
+    """The model's whole state dict in a checkpoint file, sharded (fsdp) or not."""
+    return extract_state_dict(load_file(path), path)
 
 
 def test_a_restarted_fsdp_run_ends_where_the_ddp_run_ends(restarted_fsdp_run, reference_run):
     out = restarted_fsdp_run
     assert_close_runs(out, reference_run.out, range(3))
-    ckpt = load_ckpt(out / "checkpoint.pth")
-    assert ckpt["args"]["strategy"] == "fsdp"
-    assert set(ckpt["optimizer"]["state"]) <= set(ckpt["model"])  # keyed by parameter name
+    ckpt, best = load_ckpt(out / "checkpoint.pth"), load_ckpt(out / "model_best.pth")
+    assert ckpt["args"]["strategy"] == "fsdp" and "model" not in ckpt  # each rank its shards
+    assert ckpt["shards"] == "shards/epoch-2" and len(ckpt["rng_states"]) == 2
+    # The shards of the last epoch and of the best; a killed save's and mid-epoch ones are gone.
+    assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(
+        {"epoch-0", "epoch-1", "epoch-2"})  # --keep-last 0: every epoch's
+    # weights/: the last and the best model, whole, as torchvision loads them.
+    assert sorted(p.name for p in (out / "weights").iterdir()) == sorted(
+        {"model-2.pth", f"model-{best['epoch']}.pth"})
     torchvision = pytest.importorskip("torchvision")
     for path in (out / "weights" / "model-2.pth", out / "model_best.pth"):
-        state = load_ckpt(path)
-        torchvision.models.resnet18(num_classes=5).load_state_dict(state.get("model", state))
+        torchvision.models.resnet18(num_classes=5).load_state_dict(model_of(path))
+    assert_same_tensors(load_ckpt(out / "weights" / f"model-{best['epoch']}.pth"),
+                        model_of(out / "model_best.pth"))
+
+
+def test_any_fsdp_checkpoint_exports_predicts_and_evaluates(restarted_fsdp_run, tiny_data,
+                                                            tmp_path, plain):
+    """The sharded checkpoints of a run, through the three tools that take a checkpoint."""
+    out, exported = restarted_fsdp_run, tmp_path / "model.pth"
+    res = run([sys.executable, "predict.py", "--weights", str(out / "checkpoint.pth"),
+               "--export", str(exported)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    weights = load_ckpt(exported)
+    assert_same_tensors(weights, model_of(out / "checkpoint.pth"))
+    torchvision = pytest.importorskip("torchvision")
+    torchvision.models.resnet18(num_classes=5).load_state_dict(weights)  # strict
+    image = next((tiny_data / "roses").iterdir())
+    res = run([sys.executable, "predict.py", "--weights", str(out / "model_best.pth"),
+               "--top-k", "1", str(image)])
+    assert res.returncode == 0 and res.stdout.startswith(str(image)), res.stderr[-3000:]
+    res = plain(flags(tiny_data, tmp_path / "eval", "--eval-only", "--resume",
+                      str(out / "model_best.pth")))
+    assert res.returncode == 0 and "top-1 accuracy" in res.stderr, res.stderr[-3000:]
 
 
 def test_ddp_and_fsdp_checkpoints_continue_under_the_other_strategy(
