@@ -132,7 +132,7 @@ def load_shards(folder: str | os.PathLike, model: nn.Module,
 
     state = {"model": get_model_state_dict(model),  # the optimizer's lazy state made, zeros
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    load(state, checkpoint_id=folder)
+    load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
