@@ -24,7 +24,7 @@ from model import MODELS
 from multi_train_utils.distributed_utils import COMM_HOOKS
 from utils import DataError, HelpFormatter, path_flag, write_json_atomic
 
-from . import loop, pipeline, preemption, scaling, with_data
+from . import fsdp, loop, pipeline, preemption, scaling, with_data
 from .photos import default_image_dir
 from .report import header_lines, host_info, load_average, versions, write_chart
 
@@ -32,12 +32,13 @@ log = logging.getLogger("benchmarks")
 
 # Run in this order; a stage may read the parts of the report the stages before it wrote.
 STAGES = {"pipeline": pipeline, "loop": loop, "scaling": scaling, "with_data": with_data,
-          "preemption": preemption}
+          "preemption": preemption, "fsdp": fsdp}
+DEFAULT_STAGES = ["pipeline", "loop", "scaling", "with_data", "preemption"]  # fsdp: minutes
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable summary printed at the end (also what goes into the docs)."""
-    ran = report["config"].get("stages", list(STAGES))
+    ran = report["config"].get("stages", DEFAULT_STAGES)
     sections = [header_lines(report), *(STAGES[name].table_lines(report) for name in ran)]
     return "\n\n".join("\n".join(lines) for lines in sections)
 
@@ -62,6 +63,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
                         ("epoch-images", args.epoch_images), ("num-classes", args.num_classes)):
         if value < 1:
             sys.exit(f"error: --{flag} must be at least 1, not {value}.")
+    if "fsdp" in args.stages and use_cuda:
+        sys.exit("error: --stages fsdp measures host memory: add --device cpu.")
     if "with_data" in args.stages and "loop" not in args.stages[:args.stages.index("with_data")]:
         sys.exit("error: --stages with_data compares with the loop stage's compute: put loop "
                  "before it.")
@@ -109,9 +112,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description="Benchmark the input pipeline, training loop, DDP scaling and memory.",
         formatter_class=HelpFormatter, add_help=add_help)
-    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES),
+    parser.add_argument("--stages", nargs="+", default=DEFAULT_STAGES, choices=list(STAGES),
                         help="which stages to run, in this order (with_data reads pipeline's "
                              "and loop's figures)")
+    parser.add_argument("--fsdp-models", nargs="+", default=["resnet50", "resnext101_32x8d"],
+                        choices=sorted(MODELS), help="the fsdp stage's models (2 CPU ranks)"),
     parser.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
     parser.add_argument("--img-size", type=int, default=64,
                         help="training crop for the loop and scaling runs")

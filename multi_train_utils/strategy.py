@@ -84,16 +84,17 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
     classes = tuple(u for u in units if isinstance(u, type))
     blocks = [m for m in model.modules() if m is not model
               and (isinstance(m, classes) or type(m).__name__ in units)]
-    inner = {id(m) for block in blocks for m in block.modules()}
-    for unit in [*blocks, model]:
+    done: set[int] = set()  # modules already in a unit
+    for unit in [*reversed(blocks), model]:  # innermost first: each unit takes what is left
         if mixed_precision is not None:
             norms = [m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                     and (unit is not model or id(m) not in inner)]
+                     and id(m) not in done]
             if norms:
                 fully_shard(norms, mesh=mesh)  # one float32 unit (no policy: their own dtype)
         # The root too frees its gathered parameters after forward (FSDP2 keeps them by default,
         # for the backward that follows): after evaluate() no unit stays whole.
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        done |= {id(m) for m in unit.modules()}
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device=device)  # this rank's shards, uninitialised until filled below
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,

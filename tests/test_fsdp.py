@@ -4,14 +4,17 @@
   the final weights, momentum buffers and evaluate() agree to float32 tolerance, with per-rank
   BatchNorm, with SyncBatchNorm and clipping, and with gradient accumulation 2 and clipping;
 - memory: each rank holds at most 1/N of the parameters, gradients and optimizer state (plus
-  one residual block's slack), measured from its shards; non-final micro-batches skip the
-  reduction; ``--amp`` computes in bf16 and keeps float32 shards;
-- checkpoints: a restarted FSDP run resumes from its own checkpoint and ends where DDP's
-  reference run ends; a DDP checkpoint continues under FSDP and an FSDP one under DDP alike, and
-  at another world size; the weights load into torchvision strictly;
+  one residual block's slack), measured from its shards; ranks but 0 build on the meta device
+  (their peak: their half); each unit is at most one residual block; non-final micro-batches
+  skip the reduction; ``--amp`` computes in bf16 and keeps float32 shards;
+- checkpoints: each rank writes its half of a sharded checkpoint, gathering nothing; they
+  reload under FSDP, DDP and in one process; a restarted FSDP run continues from its last
+  periodic save and ends where DDP's reference run ends; a DDP checkpoint continues under FSDP
+  and an FSDP one under DDP, and at another world size; the last and best weights, and any
+  checkpoint through ``predict.py --export``, load into torchvision strictly;
 - Ctrl-C stops an FSDP run as it stops a DDP one; flags FSDP cannot honour are one line.
 
-``python tests/test_fsdp.py`` prints the memory table of docs/strategies.md.
+The table of docs/strategies.md: ``python -m benchmarks --stages fsdp --device cpu``.
 """
 
 from __future__ import annotations
@@ -439,43 +442,3 @@ def test_sigint_stops_an_fsdp_run_of_the_spawn_launcher_which_continues(tiny_dat
 def test_what_fsdp_cannot_do_is_one_line(extra, needle, tiny_data, tmp_path, plain):
     res = plain(flags(tiny_data, tmp_path / "run", "--strategy", "fsdp", *extra))
     assert_user_error(res, needle)
-
-
-# ---------------------------------------------------------------- the table of docs/strategies.md
-def _memory_row(rank: int, world: int, name: str, strategy: str) -> dict:
-    """One SGD step (momentum) on 2 images of 64 px per rank; what this rank then holds."""
-    import resource
-
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Python and torch
-    torch.manual_seed(0)
-    bare = get_model(name)  # 1000 classes, as the published sizes
-    model = shard_model(bare) if strategy == "fsdp" else DDP(bare)
-    optimizer = torch.optim.SGD(bare.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(2, 3, 64, 64), torch.tensor([0, 1])
-    nn.functional.cross_entropy(model(x), y).backward()
-    optimizer.step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {**local_bytes(bare, optimizer), "start_rss": start, "peak_rss": peak}
-
-
-def memory_table(models: tuple[str, ...] = ("resnet50", "resnext101_32x8d"), world: int = 2
-                 ) -> str:
-    """``python tests/test_fsdp.py``: docs/strategies.md's table, rank 0's numbers in MiB."""
-    import tempfile
-
-    rows = ["| model | strategy | parameters | gradients | optimizer state | together | "
-            "peak RSS (at start) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name in models:
-        for strategy in ("ddp", "fsdp"):
-            with tempfile.TemporaryDirectory() as folder:
-                got = run_ranks(_memory_row, world, folder, name, strategy)[0]
-            mib = {k: v / 2**20 for k, v in got.items()}
-            rows.append(f"| {name} | {strategy} | {mib['parameters']:.0f} | "
-                        f"{mib['gradients']:.0f} | {mib['optimizer']:.0f} | "
-                        f"{mib['parameters'] + mib['gradients'] + mib['optimizer']:.0f} | "
-                        f"{mib['peak_rss']:.0f} ({mib['start_rss']:.0f}) |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(memory_table())
