@@ -114,7 +114,7 @@ def table_lines(report: dict[str, Any]) -> list[str]:
     f = report["fsdp"]
     lines = [f"DDP against FSDP (2 CPU processes, gloo; {f['steps']} steps of {f['batch_size']} "
              f"images of {f['img_size']} px per rank; MiB, rank 0 / rank 1)",
-             "   model             set-up        params+grads+optim   build peak    train peak"
+             "   model             set-up        params+momentum      build peak    train peak"
              "   step s   save s   save MiB"]
     for key, r in f["rows"].items():
         name, setup = key.split()

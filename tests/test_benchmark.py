@@ -220,9 +220,20 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     report = json.loads((out / "benchmark.json").read_text())
     assert f"{report['pipeline']['ratio']:.2f}x" in proc.stdout
     # The table is the header and each stage's section, in order, formatted from the JSON alone.
-    from benchmarks.__main__ import STAGES, format_table
+    from benchmarks.__main__ import DEFAULT_STAGES, format_table
     table = format_table(report)
-    assert table in proc.stdout and len(table.split("\n\n")) == 1 + len(STAGES)
+    assert table in proc.stdout and len(table.split("\n\n")) == 1 + len(DEFAULT_STAGES)
+
+
+def test_preemption_figures(report, bench):
+    """The stop poll's cost (with / without it, paired) and one mid-epoch save's time and size."""
+    p = report["preemption"]
+    assert p["processes"] == 2 and p["backend"] == "gloo"
+    assert len(p["ratio_with_to_without"]) == 2 and _positive(p["median_ratio"])
+    assert p["median_ratio"] == pytest.approx(statistics.median(p["ratio_with_to_without"]))
+    assert _positive(p["save_seconds"]) and _positive(p["step_ms"])
+    assert 40 < p["checkpoint_mb"] < 200  # resnet18's weights and momentum, 2 x 45 MB
+    assert "with / without the per-step stop poll" in bench[0].stdout
 
 
 @pytest.mark.parametrize("flag, value, message", [
