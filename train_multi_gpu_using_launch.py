@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> None:
     amp_dtype = resolve_amp_dtype(args.amp, device)
     model_without_ddp = model  # what is saved: no "module." prefix in the files
     if fsdp:  # each keeps 1/N, all-gathers a residual block at a time
-        model = shard_model(model, device, mixed_precision=amp_dtype)  # in place, as it was
+        model = shard_model(model, device, mixed_precision=amp_dtype)  # in place, unwrapped
     elif info.distributed:  # each rank keeps all, all-reduces the gradients
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
