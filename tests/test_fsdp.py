@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import threading
 
 import pytest
 import torch
@@ -170,17 +171,29 @@ def test_each_fsdp_rank_holds_a_half_and_skips_reductions_when_told(tmp_path):
 
 # ---------------------------------------------------------------- runs, restarts, resume
 def _peak_rss_growth(build) -> tuple[object, int]:
-    """``build()`` and how far this process's peak resident memory rose meanwhile (bytes)."""
-    def high_water() -> int:
+    """``build()`` and how far this process's peak resident memory rose meanwhile (bytes): the
+    kernel's high-water mark, which it updates only now and then, and VmRSS read every 2 ms."""
+    def status(field: str) -> int:
         text = open("/proc/self/status").read()
-        return int(re.search(r"VmHWM:\s+(\d+) kB", text)[1]) * 1024
+        return int(re.search(rf"{field}:\s+(\d+) kB", text)[1]) * 1024
 
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak starts again from what is resident now
-    before = high_water()
-    result = build()
-    return result, high_water() - before
+    before, sampled, done = status("VmHWM"), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.002):
+            sampled[0] = max(sampled[0], status("VmRSS"))
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        result = build()
+    finally:
+        done.set()
+        thread.join()
+    return result, max(status("VmHWM"), sampled[0]) - before
 
 
 class _Wide(nn.Module):

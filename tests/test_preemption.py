@@ -164,7 +164,8 @@ def stopped_by_rank1(tiny_data, tmp_path_factory):
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_saves_it(stopped_by_rank1):
     res, out = stopped_by_rank1.result, stopped_by_rank1.out
     text = res.stdout + res.stderr
-    assert re.findall(r"exitcode\s*: (\d+)", text) == ["143", "143"], text[-3000:]
+    # torchrun lists the rank it saw end first, or both: each ended with 143.
+    assert set(re.findall(r"exitcode\s*: (\d+)", text)) == {"143"}, text[-3000:]
     # Both ranks stopped after the step rank 1 was signalled in, and said so.
     lines = re.findall(r"^.*stopping after step (\d+) of (\d+).*$", text, flags=re.M)
     assert sorted(lines) == [("3", str(STEPS_PER_EPOCH))] * 2, text[-3000:]
