@@ -267,3 +267,12 @@ def test_on_a_gpu_device_batches_match_the_cpu_path(mixed):
     batch = Encoded.collate(samples, list(range(len(samples))))
     (on_gpu, _), (on_cpu, _) = batch.to_device(CUDA), batch.to_device(CPU)
     assert (on_gpu.cpu().int() - on_cpu.int()).abs().max() <= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_one_process_trains_with_device_decoding(tiny_data, tmp_path, plain):
+    args = flags(tiny_data, tmp_path / "run", "--epochs", "2", "--decode", "device")
+    args[args.index("--device") + 1] = "cuda"
+    res = plain(args)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert [m["epoch"] for m in read_metrics(tmp_path / "run")] == [0, 1]
