@@ -113,7 +113,7 @@ class JpegBatch(NamedTuple):
                   for x in parts]
         failed = torch.tensor([x is None for x in images])  # ignored by the loss and evaluate
         labels = self.labels.masked_fill(failed, IGNORE_INDEX) if failed.any() else self.labels
-        black = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device)  # for unreadable files
+        black = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device) if failed.any() else None
         out = torch.stack([_augment(black if x is None else x, plan)
                            for x, plan in zip(images, self.plans)])
         return out.round_().to(torch.uint8), labels.to(device, non_blocking=True)
