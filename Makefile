@@ -1,11 +1,13 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install, train on the generated demo data (2 CPU processes)
 #   make test   - create .venv, install, lint (ruff check .), run the test suite
+# On a machine with one CUDA GPU (and torch in $(PY); make bench-gpu PY=python to use another):
+#   make bench-gpu - the GPU checks, then --decode workers against device (benchmarks/decode.py)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo lint test bench figures clean
+.PHONY: demo lint test bench bench-gpu figures clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +28,19 @@ test: lint
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks
+
+# Under 8 minutes on one H100/H200 (no network needed): the tests that need a GPU, then the
+# decode stage at the target's sizes (ResNet34, 224 px, batch 256, bf16, channels-last), its
+# table and figures in benchmark_results/gpu/benchmark.json. Without CUDA: one error line.
+GPU_BENCH = --device cuda --stages loop decode --img-size 224 --batch-size 256 --steps 15 \
+	--warmup-steps 5 --repeats 3 --pipeline-images 256 --output-dir benchmark_results/gpu
+bench-gpu:
+	$(if $(filter True,$(shell $(PY) -c "import torch; print(torch.cuda.is_available())" \
+		2>/dev/null)),,$(error make bench-gpu needs a CUDA GPU and torch in $(PY) (or make \
+		bench-gpu PY=python), but torch.cuda.is_available() is not True there))
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_loader_and_prefetch.py \
+		tests/test_device_decode.py -k gpu
+	$(PY) -m benchmarks $(GPU_BENCH)
 
 # docs/how-it-works.md's figures and numbers, from real CPU training runs (minutes on 2 cores).
 figures: $(VENV)/.installed

@@ -1,16 +1,17 @@
 """``MyDataSet``: image files and labels in, ``(image, label)`` out, without a bad file killing
 the run.
 
-JPEGs are decoded by ``torchvision.io`` into ``uint8 (3, H, W)`` (about twice PIL's speed per
-worker, see docs), other formats by PIL. A ``transforms.v2`` pipeline (``utils.get_transforms``)
+JPEGs are decoded by TorchCodec or ``torchvision.io`` into ``uint8 (3, H, W)`` (about twice PIL's
+speed per worker, see docs), other formats by PIL. A ``transforms.v2`` pipeline (``get_transforms``)
 then augments the uint8 tensor and normalisation happens on the device. Any other transform (the
 classic ``torchvision.transforms.Compose([..., ToTensor(), Normalize(...)])``) gets an RGB PIL
-image, as in the original tutorial.
+image, as in the original tutorial; ``device_decode.BatchAugment`` reads the files itself.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import stat
@@ -28,8 +29,12 @@ from multi_train_utils.distributed_utils import cpus_per_process
 from multi_train_utils.guard import ignore_stop_signals
 from multi_train_utils.train_eval_utils import IGNORE_INDEX
 
-try:  # deprecated since torchvision 0.29 in favour of TorchCodec: once gone, PIL decodes all
-    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+try:  # torchvision's successor: torchvision 0.29 deprecates its decoders in its favour
+    from torchcodec.decoders import decode_jpeg as codec_decode_jpeg
+except ImportError:  # an optional extra
+    codec_decode_jpeg = None
+try:  # once torchvision's decoders are gone too, and no TorchCodec, PIL decodes all
+    from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:  # pragma: no cover - depends on the installed torchvision
     decode_jpeg = None
 
@@ -51,7 +56,7 @@ def printable_path(path: str | os.PathLike) -> str:
     return data.decode("utf-8", "backslashreplace").translate(_ESCAPES)
 
 
-def load_pil_image(path: str) -> Image.Image:
+def load_pil_image(path: str | io.BytesIO) -> Image.Image:
     """An 8-bit RGB PIL image with its EXIF orientation applied; raises if it cannot be read."""
     with Image.open(path) as img:
         img = ImageOps.exif_transpose(img)
@@ -61,22 +66,32 @@ def load_pil_image(path: str) -> Image.Image:
         return img.convert("RGB")
 
 
+def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """JPEG bytes (``uint8 (L,)`` CPU tensors) to RGB ``uint8 (3, H, W)`` on ``device`` in one
+    call (on CUDA one nvJPEG batch): TorchCodec where installed, else torchvision, else PIL."""
+    if codec_decode_jpeg is not None:
+        return codec_decode_jpeg(list(data), device=device)
+    if decode_jpeg is not None:
+        return decode_jpeg(list(data), mode=ImageReadMode.RGB, device=device,
+                           apply_exif_orientation=True)
+    return [TF.pil_to_tensor(load_pil_image(io.BytesIO(x.numpy()))).to(device) for x in data]
+
+
 def load_image_tensor(path: str) -> torch.Tensor:
     """The image at ``path`` as ``uint8 (3, H, W)`` RGB with EXIF orientation applied.
 
-    Only JPEG goes through ``torchvision.io``: its PNG decoder kills the process on damaged data
-    where PIL raises (pytorch/vision#3613), it decodes every frame of an animated GIF to return
-    the first, and it ignores WebP's EXIF orientation.
+    Only JPEG goes through :func:`decode_jpegs`: torchvision's PNG decoder kills the process on
+    damaged data where PIL raises (pytorch/vision#3613), it decodes every frame of an animated
+    GIF to return the first, and it ignores WebP's EXIF orientation.
     """
-    if decode_jpeg is not None:
-        with open(path, "rb") as f:
-            is_jpeg = f.read(3) == _JPEG_START
-        if is_jpeg:
-            try:
-                return decode_jpeg(read_file(path), mode=ImageReadMode.RGB,
-                                   apply_exif_orientation=True)
-            except RuntimeError:  # e.g. arithmetic-coded or 12-bit JPEG: PIL may still read it
-                pass
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(_JPEG_START) and (codec_decode_jpeg or decode_jpeg) is not None:
+        try:
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            return decode_jpegs([data], torch.device("cpu"))[0]
+        except RuntimeError:  # e.g. arithmetic-coded or 12-bit JPEG: PIL may still read it
+            pass
     return TF.pil_to_tensor(load_pil_image(path))
 
 
@@ -149,7 +164,8 @@ class MyDataSet(Dataset):
         self.images_path = list(images_path)
         self.images_class = [int(y) for y in images_class]
         self.transform = transform
-        self.use_pil = transform is not None and not isinstance(transform, v2.Transform)
+        self.use_pil = not (transform is None or isinstance(transform, v2.Transform)
+                            or hasattr(transform, "read"))  # device_decode's reads the files
         self.seed = seed
         self.skip_log = skip_log
         self.replace_unreadable = replace_unreadable
@@ -178,6 +194,8 @@ class MyDataSet(Dataset):
 
     def _load(self, index: int) -> Any:
         path = self.images_path[index]
+        if hasattr(self.transform, "read"):  # device_decode.BatchAugment: JPEG bytes, or pixels
+            return self.transform.read(path, self.skip_log)
         return load_pil_image(path) if self.use_pil else load_image_tensor(path)
 
     def _load_or_replace(self, index: int) -> tuple[Any, int]:
@@ -190,7 +208,7 @@ class MyDataSet(Dataset):
                 if _machine_error(exc):
                     raise
                 self._bad[i] = True
-                self._report(self.images_path[i], exc)
+                report_unreadable(self.images_path[i], exc, self.skip_log)
         black = torch.zeros(3, 8, 8, dtype=torch.uint8)
         return (TF.to_pil_image(black) if self.use_pil else black), IGNORE_INDEX
 
@@ -206,30 +224,34 @@ class MyDataSet(Dataset):
             rng = np.random.default_rng([self.seed % 2**63, max(int(self._epoch[0]), 0), index])
             yield from (int(i) for i in rng.permutation(same) if not self._bad[i])
 
-    def _report(self, path: str, exc: Exception) -> None:
-        name = printable_path(path)
-        detail = _first_line(exc).replace("\t", " ")  # a tab would split the listing's line
-        reason = f"not a readable image at load time ({type(exc).__name__}: {detail})"
-        log.warning("skipping %s: %s", name, reason)
-        if self.skip_log is None:
-            return
-        try:
-            # Every rank (and worker) appends here; the lock makes "already listed?" and the
-            # append one step, so a file met by several ranks is listed once.
-            with open(self.skip_log, "a+", encoding="utf-8", errors="backslashreplace") as f:
-                _lock(f)  # ranks and workers append to one list
-                f.seek(0)
-                if not any(line.startswith(name + "\t") for line in f):
-                    f.write(f"{name}\t{reason}\n")
-        except OSError as err:  # a full disk must not kill the worker: say so instead
-            log.warning("could not list %s in %s: %s", name, self.skip_log, err)
-
     @staticmethod
     def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[(image (3, H, W), label), ...]`` -> ``(images (N, 3, H, W), labels (N,) int64)``."""
         images, labels = tuple(zip(*batch))
+        if hasattr(images[0], "collate"):  # device_decode's samples: files read, not decoded
+            return images[0].collate(images, labels)
         # default_collate stacks into shared memory inside a worker: one copy fewer.
         return default_collate(list(images)), torch.as_tensor(labels, dtype=torch.int64)
+
+
+def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | None) -> None:
+    """A warning, and ``path<TAB>reason`` appended to ``skip_log`` unless listed there."""
+    name = printable_path(path)
+    detail = _first_line(exc).replace("\t", " ")  # a tab would split the listing's line
+    reason = f"not a readable image at load time ({type(exc).__name__}: {detail})"
+    log.warning("skipping %s: %s", name, reason)
+    if skip_log is None:
+        return
+    try:
+        # Every rank (and worker) appends here; the lock makes "already listed?" and the
+        # append one step, so a file met by several ranks is listed once.
+        with open(skip_log, "a+", encoding="utf-8", errors="backslashreplace") as f:
+            _lock(f)  # ranks and workers append to one list
+            f.seek(0)
+            if not any(line.startswith(name + "\t") for line in f):
+                f.write(f"{name}\t{reason}\n")
+    except OSError as err:  # a full disk must not kill the worker: say so instead
+        log.warning("could not list %s in %s: %s", name, skip_log, err)
 
 
 def _lock(f: Any) -> None:

@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> None:
     # A file's side depends only on its name and --seed: stable as the folder grows.
     train_paths, train_labels, val_paths, val_labels = split_train_val(
         scan, args.val_rate, args.seed, val_scan=val_scan)
-    transforms = get_transforms(args.img_size)
+    transforms = get_transforms(args.img_size, args.decode)  # decoded by workers or the device
     skip_log = None if args.eval_only else out / "skipped_files.txt"
     train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
                           skip_log=skip_log, replace_unreadable=True)
@@ -87,10 +87,9 @@ def main(args: argparse.Namespace) -> None:
     # drop_last: every rank takes the same number of steps, or DDP would wait for a missing one.
     train_batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=True)
     workers = default_workers(args.batch_size, device) if args.workers is None else args.workers
-    train_loader = DataLoader(train_set, batch_sampler=train_batch_sampler,
-                              **loader_kwargs(workers, device))
-    val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
-                            **loader_kwargs(workers, device))
+    kwargs = loader_kwargs(workers, device)  # workers, pinned memory, timeout: my_dataset.py
+    train_loader = DataLoader(train_set, batch_sampler=train_batch_sampler, **kwargs)
+    val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler, **kwargs)
     if len(train_loader) == 0 and not args.eval_only:
         raise ConfigError(f"{len(train_set)} training images make no batch of {args.batch_size} "
                           f"for each of {info.world_size} process(es); lower --batch-size.")
@@ -238,6 +237,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
     group.add_argument("--workers", type=number(int, 0), help="per process (GPU: CPUs-1, CPU: <=8)")
+    group.add_argument("--decode", default="auto", choices=["auto", "workers", "device"],
+                       help="JPEGs decoded by the loader workers or on --device (auto: workers)")
     group.add_argument("--verify-images", action=BoolFlag, default=True,
                        help="check every image's header before training")
     group = parser.add_argument_group("model")

@@ -33,7 +33,8 @@ from torchvision.transforms import v2
 from multi_train_utils.distributed_utils import is_main_process
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
-from my_dataset import check_image, printable_path
+from device_decode import BatchAugment
+from my_dataset import MyDataSet, check_image, printable_path
 
 log = logging.getLogger(__name__)
 
@@ -240,12 +241,14 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False
     return train_p, train_y, val_p, val_y
 
 
-def get_transforms(img_size: int) -> dict[str, v2.Compose]:
+def get_transforms(img_size: int, decode: str = "workers") -> dict[str, Any]:
     """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``.
     Normalisation happens on the device, so the workers send a quarter of the bytes; validation
-    resizes the short side to ``img_size * 256 / 224`` and centre-crops, as torchvision does."""
-    return {"train": v2.Compose([v2.RandomResizedCrop(img_size), v2.RandomHorizontalFlip()]),
-            "val": v2.Compose([v2.Resize(int(img_size * 256 / 224)), v2.CenterCrop(img_size)])}
+    resizes the short side to ``img_size * 256 / 224`` and centre-crops, as torchvision does.
+    ``--decode device`` leaves both, and decoding, to the device (``device_decode``)."""
+    pipelines = {"train": v2.Compose([v2.RandomResizedCrop(img_size), v2.RandomHorizontalFlip()]),
+                 "val": v2.Compose([v2.Resize(int(img_size * 256 / 224)), v2.CenterCrop(img_size)])}
+    return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
 
 
 # ---------------------------------------------------------------- plots
@@ -332,7 +335,8 @@ def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.
     from torchvision.utils import make_grid
 
     writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_epoch or None)
-    images = torch.stack([train_set[i][0] for i in range(min(16, len(train_set)))])
+    batch = MyDataSet.collate_fn([train_set[i] for i in range(min(16, len(train_set)))])
+    images = batch.to_device(torch.device("cpu"))[0] if hasattr(batch, "to_device") else batch[0]
     writer.add_image("train_images", make_grid(images, nrow=8), start_epoch)
     return writer
 

@@ -9,7 +9,10 @@ One module per stage, each measuring one claim against its baseline in the same 
 - ``scaling``: images/s, time per epoch and peak memory per rank with 1, 2, 4 ... processes,
   and what the machine, the gradient all-reduce and SyncBN each cost;
 - ``with_data``: ``train_one_epoch`` fed by the training script's loader, beside the loader
-  alone and the compute alone, so the table says which of the two limits training.
+  alone and the compute alone, so the table says which of the two limits training;
+- ``decode``: ``--decode workers`` against ``--decode device`` (issue 37): each decoder per
+  worker and batched on the device, decode and augment, training with data under each, and the
+  compute alone.
 
 Shared by the stages: ``common`` (timing, model set-up as the training script does it),
 ``photos`` (the test JPEGs) and ``report`` (host, versions, commit, table rows, chart).

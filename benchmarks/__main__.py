@@ -24,7 +24,7 @@ from model import MODELS
 from multi_train_utils.distributed_utils import COMM_HOOKS
 from utils import DataError, HelpFormatter, path_flag, write_json_atomic
 
-from . import fsdp, loop, pipeline, preemption, scaling, with_data
+from . import decode, fsdp, loop, pipeline, preemption, scaling, with_data
 from .photos import default_image_dir
 from .report import header_lines, host_info, load_average, versions, write_chart
 
@@ -32,8 +32,8 @@ log = logging.getLogger("benchmarks")
 
 # Run in this order; a stage may read the parts of the report the stages before it wrote.
 STAGES = {"pipeline": pipeline, "loop": loop, "scaling": scaling, "with_data": with_data,
-          "preemption": preemption, "fsdp": fsdp}
-DEFAULT_STAGES = ["pipeline", "loop", "scaling", "with_data", "preemption"]  # fsdp: minutes
+          "preemption": preemption, "decode": decode, "fsdp": fsdp}
+DEFAULT_STAGES = ["pipeline", "loop", "scaling", "with_data", "preemption", "decode"]  # not fsdp
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -57,6 +57,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     for flag, value in (("batch-size", args.batch_size), ("steps", args.steps),
                         ("repeats", args.repeats), ("pipeline-images", args.pipeline_images),
                         ("threads", args.threads), ("max-procs", max_procs),
+                        ("decode-workers", args.decode_workers),
                         ("warmup-steps", args.warmup_steps),
                         ("grad-accum-steps", args.grad_accum_steps),
                         ("img-size", args.img_size), ("pipeline-size", args.pipeline_size),
@@ -98,11 +99,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         report.update(STAGES[name].run(args, device, report))
     report["host"]["load_avg_end"] = load_average()
 
+    report["table"] = format_table(report)  # as printed below
     write_json_atomic(out / "benchmark.json", report)
     written = [out / "benchmark.json"]
     if {"pipeline", "loop", "scaling"} <= set(args.stages):  # the chart's three panels
         written.append(write_chart(report, out / "benchmark.png"))
-    print("\n" + format_table(report), flush=True)
+    print("\n" + report["table"], flush=True)
     print(f"\nwrote {' and '.join(map(str, written))}", flush=True)
     return report
 
@@ -139,6 +141,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="DataLoader workers of the with-data stage "
                              "(default: the training script's: CPUs per process - 1 on CUDA, "
                              "at most 8 on CPU, at most the batch size)")
+    parser.add_argument("--decode-workers", type=int, default=4,
+                        help="at most this many loader workers for --decode device in the "
+                             "decode stage (the target's: 4)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="untimed steps first (at least 1: they start the loader workers "

@@ -34,16 +34,16 @@ DATA_EFFICIENT = 0.9  # with data / compute alone: above it, the data costs (alm
 
 
 def _data_loader(paths: Sequence[str], args: argparse.Namespace, device: torch.device,
-                 workers: int, batches: int) -> DataLoader:
+                 workers: int, batches: int, decode: str = "workers") -> DataLoader:
     """The training script's train loader over the photos, repeated to ``batches`` full batches.
 
     As the training script builds it: ``MyDataSet`` with the training transform at
-    ``--img-size`` and ``my_dataset.loader_kwargs``.
+    ``--img-size`` (``--decode``: ``decode``) and ``my_dataset.loader_kwargs``.
     """
     count = batches * args.batch_size
     dataset = MyDataSet([paths[i % len(paths)] for i in range(count)],
                         [i % args.num_classes for i in range(count)],
-                        get_transforms(args.img_size)["train"], seed=args.seed)
+                        get_transforms(args.img_size, decode)["train"], seed=args.seed)
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
                       generator=torch.Generator().manual_seed(args.seed),
                       **loader_kwargs(workers, device))

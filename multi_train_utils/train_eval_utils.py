@@ -115,39 +115,43 @@ def _check_probabilities(labels: torch.Tensor) -> None:
 
 
 def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
-    """``batches`` in order, the tensors of each (a tuple or list) moved to ``device``.
+    """``batches`` in order, the tensors of each (a tuple or list) moved to ``device``; a batch
+    with a ``to_device(device)`` method (``device_decode.JpegBatch``) moves itself.
 
-    On CUDA the next batch is requested from the loader and its copy started on a side stream
-    before this one is handed out, so the copy overlaps this step's compute (it takes a pinned
-    batch, ``pin_memory=True``, for the copy to be asynchronous). Elsewhere the batches pass
-    through as they come.
+    On CUDA the next batch's copy (asynchronous from a pinned batch, ``pin_memory=True``) or
+    decode starts on a side stream before this one is handed out, so it overlaps this step's
+    compute, which waits for an event recorded after it. Elsewhere batches pass as they come.
     """
     if device.type != "cuda":
-        yield from batches
+        yield from (b.to_device(device) if hasattr(b, "to_device") else b for b in batches)
         return
     side, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
-    def start_copy(batch: Any) -> Any:
-        if not isinstance(batch, (tuple, list)):
-            return batch  # _unpack says what it takes
+    def start(batch: Any) -> tuple[Any, torch.cuda.Event]:
         with torch.cuda.stream(side):
-            moved = [x.to(device, non_blocking=True) if torch.is_tensor(x) else x for x in batch]
-        for x in moved:
+            if hasattr(batch, "to_device"):
+                batch = batch.to_device(device)
+            elif isinstance(batch, (tuple, list)):  # else _unpack says what it takes
+                moved = [x.to(device, non_blocking=True) if torch.is_tensor(x) else x
+                         for x in batch]
+                batch = type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+            done = side.record_event()  # the event compute waits for before using it
+        for x in batch if isinstance(batch, (tuple, list)) else ():
             if torch.is_tensor(x):  # made on the side stream, used on compute's: the caching
                 x.record_stream(compute)  # allocator must not reuse it before compute is done
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+        return batch, done
 
     loader = iter(batches)
     try:
-        ahead = start_copy(next(loader))
+        ahead = start(next(loader))
     except StopIteration:
         return
     for batch in loader:
-        compute.wait_stream(side)  # queued before the next copy starts: waits for `ahead` alone
-        ready, ahead = ahead, start_copy(batch)
+        (ready, done), ahead = ahead, start(batch)
+        compute.wait_event(done)  # queued before the step that uses `ready`: its work alone
         yield ready
-    compute.wait_stream(side)
-    yield ahead
+    compute.wait_event(ahead[1])
+    yield ahead[0]
 
 
 @dataclass
@@ -394,8 +398,9 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     stats = torch.zeros(4, device=device, dtype=torch.float64)  # top1, top5, loss sum, count
     confusion, seen = torch.zeros(0, device=device, dtype=torch.int64), 0
     loss_function = nn.CrossEntropyLoss(reduction="none", ignore_index=IGNORE_INDEX)
-    for batch in tqdm(data_loader, file=sys.stdout, desc="[valid]", dynamic_ncols=True,
-                      disable=not (is_main_process() and sys.stdout.isatty())):
+    bar = tqdm(data_loader, file=sys.stdout, desc="[valid]", dynamic_ncols=True,
+               disable=not (is_main_process() and sys.stdout.isatty()))
+    for batch in prefetch_to_device(bar, device):  # as in training: the next one moves meanwhile
         images, labels = _unpack(batch, "evaluate")
         if labels.is_floating_point():
             raise ValueError(f"evaluate needs class indices (N,) as labels, got class "

@@ -171,6 +171,29 @@ def test_with_data_figures(report):
     assert data["target_img_per_s"] is None  # the 5,000 img/s target is an H200's
 
 
+def test_decode_figures(report):
+    """Stage 6: each decoder per worker and batched (None: not installed), decode and augment,
+    training under --decode workers and device beside the compute alone, in one run."""
+    import my_dataset
+    d = report["decode"]
+    installed = {"torchvision.io": my_dataset.decode_jpeg is not None, "PIL": True,
+                 "torchcodec": my_dataset.codec_decode_jpeg is not None}
+    assert d["per_worker_img_per_s"].keys() == installed.keys()
+    assert d["main_process_img_per_s"].keys() == installed.keys()  # on the CPU, PIL too
+    for figures in (d["per_worker_img_per_s"], d["main_process_img_per_s"]):
+        assert all(_positive(v) if installed[k] else v is None for k, v in figures.items())
+    workers = default_workers(2, torch.device("cpu"))
+    assert d["workers"] == {"workers": workers, "device": min(workers, 4)}
+    assert _positive(d["decode_augment_img_per_s"]) and _positive(d["compute_img_per_s"])
+    for decode in ("workers", "device"):
+        runs = d["runs_img_per_s"][decode]
+        assert len(runs) == 2 and all(map(_positive, runs))
+        assert d["with_data_img_per_s"][decode] == pytest.approx(statistics.median(runs))
+        assert d["efficiency"][decode] == pytest.approx(
+            d["with_data_img_per_s"][decode] / d["compute_img_per_s"])
+    assert d["target_efficiency"] is None and d["target_workers"] == 4  # a GPU's target
+
+
 def test_run_is_described(report):
     assert report["config"]["model"] == "resnet18" and report["config"]["procs"] == [1, 2]
     assert report["versions"]["torch"] and report["versions"]["torchvision"]
@@ -213,7 +236,7 @@ def test_chart_is_a_png_and_table_is_printed(bench):
                     "no communication: no DDP, no SyncBN (ceiling)", "--comm-hook bf16",
                     "DDP without SyncBN (--no-sync-bn)", "of which the gradient all-reduce",
                     "all-reduce of the", "Training with data", "train_one_epoch fed by the loader",
-                    "limited by "):
+                    "limited by ", "6. Decoding", "training, --decode device"):
         assert heading in proc.stdout, heading
     assert "command: python -m benchmarks" in proc.stdout
     assert "[train epoch" not in proc.stdout + proc.stderr  # the loops' progress is not printed
@@ -223,6 +246,7 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     from benchmarks.__main__ import DEFAULT_STAGES, format_table
     table = format_table(report)
     assert table in proc.stdout and len(table.split("\n\n")) == 1 + len(DEFAULT_STAGES)
+    assert report["table"] == table  # the JSON carries the table as printed
 
 
 def test_preemption_figures(report, bench):

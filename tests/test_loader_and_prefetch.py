@@ -2,7 +2,8 @@
 
 ``my_dataset.default_workers`` is checked with mocked CPU counts; ``prefetch_to_device`` on CPU
 (the batches pass through untouched) and, with a fake stream API, in the order its CUDA path
-queues copies, waits and ``record_stream`` calls. A real GPU, where there is one, checks it too.
+queues copies (or ``--decode device``'s decodes, each after a host wait for the side stream),
+events, waits and ``record_stream`` calls. A real GPU, where there is one, checks it too.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import torch
 import torch.nn as nn
 from conftest import flags
 
+import device_decode
 import my_dataset
 from multi_train_utils import distributed_utils, train_eval_utils
 from multi_train_utils.train_eval_utils import prefetch_to_device, train_one_epoch
+from utils import get_transforms
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -67,10 +70,18 @@ class _Stream:
     """A stand-in for ``torch.cuda.Stream`` that writes what is queued on it into ``log``."""
 
     def __init__(self, name: str, log: list) -> None:
-        self.name, self.log = name, log
+        self.name, self.log, self.events = name, log, 0
 
-    def wait_stream(self, other: _Stream) -> None:
-        self.log.append(("wait", self.name, other.name))
+    def record_event(self) -> tuple[str, int]:
+        self.events += 1
+        self.log.append(("event", self.name, self.events - 1))
+        return self.name, self.events - 1
+
+    def wait_event(self, event: tuple[str, int]) -> None:
+        self.log.append(("wait", self.name, *event))
+
+    def synchronize(self) -> None:  # the host waits for what is queued on it
+        self.log.append(("sync", self.name))
 
 
 class _Tensor(torch.Tensor):
@@ -98,7 +109,7 @@ def fake_cuda(monkeypatch):
         streams.pop()
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: _Stream("side", log))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: compute)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[-1])
     monkeypatch.setattr(torch.cuda, "stream", use)
 
     def make_tensor(tag: str) -> torch.Tensor:
@@ -121,16 +132,18 @@ def test_on_cuda_the_next_batch_is_copied_on_a_side_stream_while_this_one_trains
         assert (images.tag, labels.tag, path) == (f"x{k}", f"y{k}", f"path {k}")  # in order
         log.append(("train", k))
 
-    def copied(k):  # batch k's copies queued on the side stream, then their records
+    def copied(k):  # batch k's copies queued on the side stream, its event, their records
         return [*(("copy", f"{t}{k}", "side", "cuda", True) for t in "xy"),
-                *(("record", f"{t}{k}", "compute") for t in "xy")]
-    wait = ("wait", "compute", "side")
-    # Batch k+1 is loaded and its copy queued before batch k trains. Compute's wait for the
-    # side stream is queued before the next copy, so it waits for batch k's copy, not k+1's.
+                ("event", "side", k), *(("record", f"{t}{k}", "compute") for t in "xy")]
+
+    def wait(k):  # compute waits for batch k's event: its copies, not the next batch's
+        return ("wait", "compute", "side", k)
+    # Batch k+1 is loaded and its copy queued before batch k trains, and the wait for batch k
+    # is queued on the compute stream before the step that uses it.
     assert log == [("load", 0), *copied(0),
-                   ("load", 1), wait, *copied(1), ("train", 0),
-                   ("load", 2), wait, *copied(2), ("train", 1),
-                   wait, ("train", 2)]
+                   ("load", 1), *copied(1), wait(0), ("train", 0),
+                   ("load", 2), *copied(2), wait(1), ("train", 1),
+                   wait(2), ("train", 2)]
 
 
 def test_on_cuda_a_namedtuple_batch_keeps_its_type(fake_cuda):
@@ -146,7 +159,63 @@ def test_on_cuda_a_batch_of_another_shape_passes_through(fake_cuda):
     batch = {"images": make_tensor("x0")}  # _unpack explains what train_one_epoch takes
     out = list(prefetch_to_device([batch], CUDA))
     assert len(out) == 1 and out[0] is batch
-    assert log == [("wait", "compute", "side")]  # nothing copied
+    assert log == [("event", "side", 0), ("wait", "compute", "side", 0)]  # nothing copied
+
+
+def test_on_cuda_jpeg_batches_are_decoded_on_the_side_stream_after_a_host_wait(
+        fake_cuda, monkeypatch, tmp_path):
+    """``--decode device``: each batch's decode is queued on the side stream after the host
+    has waited for that stream (nvJPEG's hardware engine ignores stream order, vision#9606),
+    then its event; compute waits for the event, the images and labels are recorded for it."""
+    log, _ = fake_cuda
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # on the fake GPU a copy is logged, the tensor stays here
+        if args and str(args[0]) == "cuda":
+            log.append(("copy", tuple(self.shape)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: log.append(("record", stream.name)))
+    paths = [str(p) for p in two_jpegs_and_a_png_twice(tmp_path)]
+    dataset = my_dataset.MyDataSet(paths, [0, 1, 2, 3, 4, 5], get_transforms(16, "device")["val"])
+    batches = [my_dataset.MyDataSet.collate_fn([dataset[i], dataset[i + 1], dataset[i + 2]])
+               for i in (0, 3)]
+    expected = [batch.to_device(CPU) for batch in batches]
+    decode = device_decode.decode_jpegs
+    monkeypatch.setattr(device_decode, "decode_jpegs", lambda data, device: log.append(
+        ("decode", torch.cuda.current_stream().name, len(data), str(device)))
+        or decode(data, CPU))  # decoded on the CPU, as if on the GPU
+
+    def loader():
+        for k, batch in enumerate(batches):
+            log.append(("load", k))
+            yield batch
+
+    for k, (images, labels) in enumerate(prefetch_to_device(loader(), CUDA)):
+        assert torch.equal(images, expected[k][0]) and torch.equal(labels, expected[k][1])
+        log.append(("train", k))
+
+    def decoded(k):  # the PNG, decoded in the worker, is copied as it is; then the labels
+        return [("sync", "side"), ("decode", "side", 2, "cuda"), ("copy", (3, 30, 40)),
+                ("copy", (3,)), ("event", "side", k), ("record", "compute"), ("record", "compute")]
+    assert log == [("load", 0), *decoded(0),
+                   ("load", 1), *decoded(1), ("wait", "compute", "side", 0), ("train", 0),
+                   ("wait", "compute", "side", 1), ("train", 1)]
+
+
+def two_jpegs_and_a_png_twice(folder):
+    """Two JPEGs and a PNG, twice."""
+    from PIL import Image
+    paths = []
+    for k in range(6):
+        colour = (40 * k, 255 - 40 * k, 90)
+        path = folder / (f"{k}.png" if k % 3 == 0 else f"{k}.jpg")
+        Image.new("RGB", (40, 30), colour).save(path)
+        paths.append(path)
+    return paths
 
 
 def test_train_one_epoch_takes_its_batches_through_the_prefetcher(monkeypatch):
