@@ -17,9 +17,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.util  # its exit hook first: ours (registered after it) runs before it
 import os
 import signal
 import sys
@@ -97,9 +99,21 @@ def signals_deferred() -> Iterator[None]:
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """A DataLoader ``worker_init_fn``: the workers ignore stop signals (a terminal's Ctrl-C and
     SLURM reach every process) and keep delivering the batches of the steps before the stop;
-    they end when their training process does."""
+    they end when their training process does (:func:`_end_loader_workers`)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+@atexit.register
+def _end_loader_workers() -> None:
+    # At exit multiprocessing ends its daemonic children (DataLoader workers) with SIGTERM and
+    # waits: workers that ignore it would hold the exit forever. SIGKILL them first; they hold
+    # nothing to save. torch's SIGCHLD handler would call their end an error.
+    if hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 class StopRequest:
@@ -207,10 +221,6 @@ def _stop(code: int, message: str, *, say: bool, rank: int) -> NoReturn:
     """The process's last line (no timestamp: it is the answer, not a log), then exit."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _exit_at_once)
-    if hasattr(signal, "SIGCHLD"):  # POSIX: torch's handler would call their end an error
-        signal.signal(signal.SIGCHLD, lambda *_: None)
-    for child in multiprocessing.active_children():  # loader workers, which ignore SIGTERM
-        child.kill()
     if say:
         print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
     sys.exit(code)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import flags
+from conftest import ROOT, flags
 
 import device_decode
 import my_dataset
@@ -247,3 +249,27 @@ def test_on_a_gpu_every_batch_arrives_whole_and_in_order():
         out.append((images.cpu(), labels.cpu()))
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(out, source))
     assert len(out) == 5
+
+
+EXIT_WITH_LIVE_WORKERS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from my_dataset import loader_kwargs
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+kwargs = loader_kwargs(2, torch.device("cpu"))
+kwargs.pop("collate_fn")
+loader = DataLoader(TensorDataset(torch.arange(40.0)), batch_size=4, **kwargs)
+for batch in loader:  # a module-level loader: its persistent workers live on to the exit
+    pass
+print("trained")
+"""
+
+
+def test_a_script_exits_though_its_loader_workers_ignore_sigterm():
+    """The workers ignore stop signals (a stopping run still needs its last batches); at exit
+    Python ends daemonic children with SIGTERM and waits, so the template ends them first."""
+    res = subprocess.run([sys.executable, "-c", EXIT_WITH_LIVE_WORKERS, str(ROOT)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout == "trained\n", res.stderr[-2000:]
+    assert "Exception ignored" not in res.stderr, res.stderr[-2000:]
