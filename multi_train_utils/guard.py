@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import multiprocessing
 import multiprocessing.util  # its exit hook first: ours (registered after it) runs before it
@@ -26,6 +27,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -271,6 +273,14 @@ def guarded(main: Callable[[Any], None], args: Any,
         _stop(1, f"error: {_first_line(exc)} ({type(exc).__name__}); {rerun_hint()}.",
               say=True, rank=rank)
     finally:
+        # Free main's locals (the DDP model) while the process group lives: left to the exit,
+        # DDP's reducer can tear down gloo holding the GIL a gloo thread waits for, and the
+        # process never ends (seen with torch 2.8-2.11, gloo).
+        exc = sys.exc_info()[1]
+        while exc is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc = exc.__context__
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for signum, handler in previous.items():  # main may run again in this process

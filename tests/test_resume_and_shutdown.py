@@ -588,9 +588,11 @@ def test_eval_only_scores_the_weights_given_not_the_runs_checkpoint(tiny_data, t
     res = plain(flags(tiny_data, out, "--epochs", "2", "--lr", "0.05"))
     assert res.returncode == 0, res.stderr[-3000:]
     epoch0, epoch1 = read_metrics(out)
-    assert epoch0["val_acc"] != epoch1["val_acc"]  # else the check below could not tell them apart
+    # Else the check below could not tell them apart. The loss, not the accuracy: 16 images can
+    # score alike at both epochs (they do under torch 2.6 and 2.7).
+    assert epoch0["val_loss"] != epoch1["val_loss"]
     for weights, record in ((out / "weights" / "model-0.pth", epoch0), (None, epoch1)):
         extra = ["--weights", str(weights)] if weights else []
         res = plain(flags(tiny_data, out, "--eval-only", *extra))
         assert res.returncode == 0, res.stderr[-3000:]
-        assert f"top-1 accuracy: {record['val_acc']:.4f}" in res.stderr, res.stderr[-2000:]
+        assert f"val loss: {record['val_loss']:.4f}" in res.stderr, res.stderr[-2000:]
