@@ -61,16 +61,16 @@ def main(args: argparse.Namespace) -> None:
         run_on_main(claim_output_dir, out)
         ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
 
-    # 2. Data. Rank 0 scans the folder (unreadable files are skipped and listed) and shares the
-    # list; each machine reads it below its own --data-path. The split depends only on --seed.
+    # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
     root = args.data_path or str(make_demo_data(args.demo_dir or default_demo_root()))
-    scan = run_on_main(scan_image_folder, root, verify=args.verify_images).rebased(root)
+    scan = run_on_main(scan_image_folder, root, verify=args.verify_images, reuse=out).rebased(root)
     classes = scan.classes
     if args.num_classes not in (None, len(classes)):  # the class folders decide; say a mismatch
         raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} class "
                           "folders; drop the flag, or give the folder those classes.")
     if args.val_path:  # an already split data set: all of --data-path trains
-        val_scan = run_on_main(scan_image_folder, args.val_path, min_classes=1)
+        val_scan = run_on_main(scan_image_folder, args.val_path, verify=args.verify_images,
+                               min_classes=1)
         train_paths, train_labels, _, _ = split_train_val(scan, 0.0, args.seed)
         val_paths, val_labels = label_by_class_name(classes, val_scan.rebased(args.val_path))
     else:  # a file's side depends only on its name and --seed: stable as the folder grows
@@ -237,8 +237,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
     group.add_argument("--workers", type=number(int, 0), help="per process (GPU: CPUs-1, CPU: <=8)")
-    group.add_argument("--verify-images", action=BoolFlag, default=True,
-                       help="check every image's header before training")
+    group.add_argument("--verify-images", action=BoolFlag, default=False,
+                       help="read every image's header before training (else the loader skips)")
     group = parser.add_argument_group("model")
     group.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="network")
     group.add_argument("--weights", type=path_flag, help="initial weights (what fits is loaded)")

@@ -32,7 +32,8 @@ from .train_eval_utils import EpochProgress
 
 log = logging.getLogger("train")
 RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "tensorboard",
-             "args.json", "class_indices.json", "skipped_files.txt", "class_distribution.png")
+             "args.json", "class_indices.json", "skipped_files.txt", "class_distribution.png",
+             "file_list.json")
 # Flags a resume must keep: another value would put some validation images into training, or
 # change which parameters the optimizer state belongs to.
 MUST_MATCH = ("model", "seed", "val_rate", "freeze_layers")
