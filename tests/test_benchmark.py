@@ -220,9 +220,38 @@ def test_chart_is_a_png_and_table_is_printed(bench):
     report = json.loads((out / "benchmark.json").read_text())
     assert f"{report['pipeline']['ratio']:.2f}x" in proc.stdout
     # The table is the header and each stage's section, in order, formatted from the JSON alone.
-    from benchmarks.__main__ import STAGES, format_table
+    from benchmarks.__main__ import OPT_IN, STAGES, format_table
     table = format_table(report)
-    assert table in proc.stdout and len(table.split("\n\n")) == 1 + len(STAGES)
+    assert table in proc.stdout and len(table.split("\n\n")) == 1 + len(STAGES) - len(OPT_IN)
+
+
+def test_startup_stage_links_a_tree_and_reports_each_count(tmp_path):
+    """The startup stage's pieces without its minutes of runs: the hard-linked tree, the table
+    and the chart from a report shaped as ``startup.run`` returns it."""
+    from benchmarks import startup
+
+    source = tmp_path / "one.jpg"
+    Image.new("RGB", (8, 8)).save(source)
+    startup.make_tree(tmp_path / "data", 0, 25, 5, [source])
+    startup.make_tree(tmp_path / "data", 25, 40, 5, [source])  # grown, as from 10k to 100k
+    assert len(list((tmp_path / "data").glob("c000[0-4]/*.JPEG"))) == 40
+    assert (tmp_path / "data" / "c0003" / "00000038.JPEG").stat().st_nlink == 41
+    runs = {"bare": [2.0, 3.0], "fresh": [3.0, 4.5], "continued": [2.2, 3.0]}
+    row = {"bare_s": 2.5, "fresh_s": 3.75, "continued_s": 2.6, "runs_s": runs,
+           "fresh_ratios": [1.5, 1.5], "fresh_ratio": 1.5, "continued_ratios": [1.1, 1.0],
+           "continued_ratio": 1.05}
+    report = {"config": {"repeats": 2}, "versions": {"git_describe": "abc1234"},
+              "startup": {"files": {"1000": row, "300000": row}, "classes": 100, "workers": 2,
+                          "model": "resnet18", "img_size": 32, "batch_size": 16,
+                          "device": "cpu", "targets": startup.TARGETS,
+                          "broadcast": {"seconds": [0.5, 0.7], "rebase_seconds": [0.2, 0.3],
+                                        "paths": 300000, "pickled_mb": 20.0}}}
+    table = "\n".join(startup.table_lines(report))
+    assert "      300000          2.50      3.75        2.60       1.50x          1.05x" in table
+    assert re.search(r"rank 0's list of 300000 files to rank 1 +0.60 s   gloo, pickled 20 MB",
+                     table)
+    png = startup.write_chart(report, tmp_path / "startup.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
 
 
 @pytest.mark.parametrize("flag, value, message", [
