@@ -179,7 +179,7 @@ def run(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) 
     seconds, made = {}, 0
     with tempfile.TemporaryDirectory(prefix="ddp-startup-") as tmp:
         sources = []
-        for i in range(8):  # small JPEGs, as a thumbnail folder
+        for i in range(64):  # small JPEGs; ext4 takes 65,000 links to a file
             sources.append(Path(tmp) / f"source{i}.jpg")
             pixels = np.random.default_rng(i).integers(0, 256, (48, 64, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(sources[-1], quality=90)
