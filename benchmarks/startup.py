@@ -11,10 +11,13 @@ process each, alternating in every repeat:
 - continued: the same command again after a stop signal at that first step saved it, as after
   a preemption: it resumes and reuses the stored list.
 
-Both use the benchmark's model, image size, batch, loader workers and device. Also timed, on 2
-gloo processes: rank 0's list of the largest folder handed to the other rank by ``run_on_main``
-(the pickle, the broadcast, the unpickle), and that rank rebasing it below another root, as a
-machine with the data elsewhere does. The ranks are spawned: each imports this module.
+Both use the benchmark's model, image size, batch, loader workers and device. Also timed: the
+listing alone in one process (the names ``os.scandir`` reads, the floor; ``ImageFolder``'s
+``make_dataset``; ``scan_image_folder``), the header check of ``--verify-images`` at the
+smallest count, and, on 2 gloo processes, rank 0's list of the largest folder handed to the
+other rank by ``run_on_main`` (the pickle, the broadcast, the unpickle) and that rank rebasing it
+below another root, as a machine with the data elsewhere does. The ranks are spawned: each
+imports this module.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 from PIL import Image
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 from multi_train_utils.distributed_utils import (cleanup, find_free_port, init_distributed_mode,
                                                  run_on_main)
@@ -109,6 +113,32 @@ def make_tree(root: Path, start: int, stop: int, classes: int, sources: list[Pat
         os.link(sources[k % len(sources)], root / f"c{k % classes:04d}" / f"{k:08d}.JPEG")
 
 
+def _names(root: Path) -> int:
+    """The file names in the class folders of ``root``: what ``os.scandir`` alone reads."""
+    count = 0
+    with os.scandir(root) as classes:
+        for folder in classes:
+            with os.scandir(folder.path) as files:
+                count += sum(1 for _ in files)
+    return count
+
+
+def time_listing(root: Path, repeats: int) -> dict[str, list[float]]:
+    """Seconds to list ``root`` in this process: the names alone (the floor), ``ImageFolder``'s
+    ``make_dataset``, and ``scan_image_folder`` without reading headers (the default)."""
+    ways = {"scandir": lambda: _names(root),
+            "image_folder": lambda: make_dataset(str(root), find_classes(str(root))[1],
+                                                 IMG_EXTENSIONS),
+            "ours": lambda: scan_image_folder(root, verify=False)}
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
 def _timed(cmd: list[str], expect: int, what: str) -> tuple[float, str]:
     """Seconds from starting ``cmd`` to the time it prints last, and its output."""
     start = time.time()
@@ -176,7 +206,7 @@ def run(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) 
     classes = min(CLASSES, counts[0] // 10)  # 10 files a class at least: one validates
     workers = args.workers if args.workers is not None else default_workers(args.batch_size,
                                                                             device)
-    seconds, made = {}, 0
+    seconds, listing, made = {}, {}, 0
     with tempfile.TemporaryDirectory(prefix="ddp-startup-") as tmp:
         sources = []
         for i in range(64):  # small JPEGs; ext4 takes 65,000 links to a file
@@ -188,8 +218,12 @@ def run(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) 
             log.info("startup: %d files in %d class folders, %d repeats", count, classes,
                      args.repeats)
             make_tree(data, made, count, classes, sources)
+            if not made:  # at the smallest count: the header check of --verify-images
+                start = time.perf_counter()
+                scan_image_folder(data, verify=True)
+                verify = {"files": count, "seconds": time.perf_counter() - start}
             made = count
-            scan_image_folder(data, verify=False)  # the folders into the page cache
+            listing[str(count)] = time_listing(data, args.repeats)  # warms the page cache too
             seconds[str(count)] = time_count(data, Path(tmp) / "runs", args, device, workers)
         log.info("startup: the list of %d files from rank 0 to rank 1", made)
         mp.start_processes(broadcast_worker, args=(str(data), find_free_port(), tmp,
@@ -205,10 +239,13 @@ def run(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) 
             rows[count].update({f"{name}_ratios": ratios,
                                 f"{name}_ratio": statistics.median(ratios)})
         rows[count]["runs_s"] = runs
+        rows[count]["listing_runs_s"] = listing[count]
+        rows[count]["listing_s"] = {name: statistics.median(values)
+                                    for name, values in listing[count].items()}
     return {"startup": {"files": rows, "classes": classes, "workers": workers,
                         "model": args.model, "img_size": args.img_size,
                         "batch_size": args.batch_size, "device": device.type,
-                        "targets": TARGETS, "broadcast": broadcast}}
+                        "targets": TARGETS, "broadcast": broadcast, "verify": verify}}
 
 
 def table_lines(report: dict[str, Any]) -> list[str]:
@@ -223,9 +260,18 @@ def table_lines(report: dict[str, Any]) -> list[str]:
                      f"{r['continued_s']:>9.2f}   {r['fresh_ratio']:>8.2f}x   "
                      f"{r['continued_ratio']:>11.2f}x   (pairs {spread(r['fresh_ratios'])}, "
                      f"{spread(r['continued_ratios'])})")
-    b = s["broadcast"]
     lines += [f"   targets: fresh <= {s['targets']['fresh']}x, continued <= "
               f"{s['targets']['continued']}x the ImageFolder script's time",
+              "   The listing alone, in one process (median s; no header read)",
+              "       files   os.scandir names   ImageFolder   scan_image_folder"]
+    for count, r in s["files"].items():
+        t = r["listing_s"]
+        lines.append(f"   {int(count):>9}   {t['scandir']:>16.3f}   {t['image_folder']:>11.3f}   "
+                     f"{t['ours']:>17.3f}")
+    b, v = s["broadcast"], s["verify"]
+    lines += [row(f"header check of {v['files']} files (--verify-images)",
+                  f"{v['seconds']:.1f} s", f"   {v['files'] / v['seconds']:.0f} files/s, "
+                  "8 threads on rank 0"),
               row(f"rank 0's list of {b['paths']} files to rank 1",
                   f"{statistics.median(b['seconds']):.2f} s",
                   f"   gloo, pickled {b['pickled_mb']:.0f} MB: run_on_main, as in training"),
