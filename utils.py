@@ -79,10 +79,10 @@ class FolderScan:
         """The same files below ``root``: each machine reads its own copy of rank 0's scan."""
         if root == self.root:
             return self
-        old = os.path.join(self.root, "")
+        old, new = os.path.join(self.root, ""), os.path.join(root, "")
 
         def move(path: str) -> str:
-            return os.path.join(root, path[len(old):]) if path.startswith(old) else path
+            return new + path[len(old):] if path.startswith(old) else path
         images = [[move(p) for p in paths] for paths in self.images]
         return replace(self, root=root, images=images,
                        skipped=[(move(p), w) for p, w in self.skipped])
@@ -227,7 +227,10 @@ def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     if not usable:
         return None
     log.info("%s is unchanged since %s listed it: not listed again", root, path)
-    return replace(scan, skipped=[tuple(x) for x in scan.skipped], reused=True).rebased(root)
+    images = [[os.path.join(scan.root, name, "") + p for p in found]
+              for name, found in zip(scan.classes, scan.images)]
+    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped],
+                   reused=True).rebased(root)
 
 
 def split_train_val(scan: FolderScan, val_rate: float, seed: int
@@ -337,7 +340,9 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
             "".join(f"{path}\t{why}\n" for path, why in scan.skipped), encoding="utf-8")
         log.warning("%s; the list is in %s", scan.summary(), out / "skipped_files.txt")
     plot_class_distribution(scan, out / "class_distribution.png")
-    write_json_atomic(out / SCAN_FILE, vars(scan), compact=True)
+    below = [len(os.path.join(scan.root, name, "")) for name in scan.classes]
+    images = [[p[n:] for p in found] for n, found in zip(below, scan.images)]  # half the bytes
+    write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": images}, compact=True)
 
 
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
@@ -346,10 +351,11 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     counts = [len(x) for x in scan.images]
     # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
     fig, ax = plt.subplots(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
-    bars = ax.bar(range(len(counts)), counts)
     if len(counts) <= CONFUSION_NAMES:
-        ax.bar_label(bars)
+        ax.bar_label(ax.bar(range(len(counts)), counts))
         ax.set_xticks(range(len(counts)), map(tick_label, scan.classes), rotation=45, ha="right")
+    else:  # one artist: 1000 bars take a second or two to draw, at every fresh start
+        ax.stairs(counts, [i - 0.5 for i in range(len(counts) + 1)], fill=True)
     ax.set(xlabel="image class", ylabel="number of images", title="class distribution")
     with warnings.catch_warnings():
         # CJK or emoji class names: the default font lacks them and warns once per glyph.

@@ -108,7 +108,8 @@ def test_a_folder_changed_in_the_last_seconds_is_listed_again(tmp_path):
 
 
 def test_bad_images_are_found_at_load_time_and_a_continued_run_keeps_the_list(tiny_data,
-                                                                               tmp_path, plain):
+                                                                               tmp_path, plain,
+                                                                               settled):
     data, out = tmp_path / "data", tmp_path / "run"
     shutil.copytree(tiny_data, data)
     (data / "daisy" / "corrupt.jpg").write_bytes(np.random.default_rng(0).bytes(3000))
@@ -117,7 +118,8 @@ def test_bad_images_are_found_at_load_time_and_a_continued_run_keeps_the_list(ti
     assert res.returncode == 0, res.stderr[-3000:]
     assert "not listed again" not in res.stderr
     names = {str(data / "daisy" / "corrupt.jpg"), str(data / "roses" / "empty.jpg")}
-    assert names <= {*sum(json.loads((out / SCAN_FILE).read_text())["images"], [])}
+    stored_list = scan_image_folder(data, verify=False, reuse=out)
+    assert stored_list.reused and names <= {*sum(stored_list.images, [])}  # in the data set
 
     def listed() -> list[tuple[str, str]]:
         lines = (out / "skipped_files.txt").read_text(encoding="utf-8").splitlines()
@@ -132,7 +134,9 @@ def test_bad_images_are_found_at_load_time_and_a_continued_run_keeps_the_list(ti
 
 
 def test_a_two_process_run_stores_the_list_it_trained_on(reference_run, tiny_data):
-    scan = FolderScan(**json.loads((reference_run.out / SCAN_FILE).read_text()))
+    stored_list = scan_image_folder(tiny_data, verify=False, reuse=reference_run.out)
     fresh = scan_image_folder(tiny_data, verify=False)
-    assert (scan.root, scan.classes, scan.images) == (fresh.root, fresh.classes, fresh.images)
-    assert sum(map(len, scan.images)) == 60 and not scan.verified and not scan.reused
+    assert stored_list.reused and not stored_list.verified
+    assert (stored_list.root, stored_list.classes, stored_list.images) == (
+        fresh.root, fresh.classes, fresh.images)
+    assert sum(map(len, stored_list.images)) == 60
