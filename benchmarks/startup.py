@@ -281,25 +281,40 @@ def table_lines(report: dict[str, Any]) -> list[str]:
 
 
 def write_chart(report: dict[str, Any], path: Path) -> Path:
-    """Seconds to the first step against the number of files, one line per start."""
+    """Left: seconds to the first step against the number of files, one line per start
+    (median, bars from the fastest to the slowest repeat). Right: each start over the
+    ImageFolder script's in the same repeat, with the targets."""
     from matplotlib.figure import Figure
 
     s = report["startup"]
-    files = [int(count) for count in s["files"]]
-    fig = Figure(figsize=(6, 3.6), layout="constrained")
-    ax = fig.subplots()
+    files, rows = [int(count) for count in s["files"]], list(s["files"].values())
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
     for name, label, style in (("bare", "ImageFolder script", "k:o"),
                                ("fresh", "training script, fresh start", "C0-s"),
                                ("continued", "training script, continued run", "C1-^")):
-        ax.plot(files, [r[f"{name}_s"] for r in s["files"].values()], style, label=label)
-    ax.set(xscale="log", xlabel="files (hard links)", ylabel="seconds to the first step",
-           ylim=(0, None),
-           title=f"{s['model']}, {s['img_size']} px, 1 process, {s['device']}; "
-                 f"commit {report['versions'].get('git_describe') or 'unknown'}")
-    ax.title.set_fontsize(9)
-    ax.set_xticks(files, [f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k" for n in files])
-    ax.minorticks_off()
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.savefig(path, dpi=100)
+        median = [r[f"{name}_s"] for r in rows]
+        spread = [[m - min(r["runs_s"][name]) for m, r in zip(median, rows)],
+                  [max(r["runs_s"][name]) - m for m, r in zip(median, rows)]]
+        left.errorbar(files, median, spread, fmt=style, capsize=3, label=label)
+        if name in TARGETS:
+            ratio = [r[f"{name}_ratio"] for r in rows]
+            spread = [[m - min(r[f"{name}_ratios"]) for m, r in zip(ratio, rows)],
+                      [max(r[f"{name}_ratios"]) - m for m, r in zip(ratio, rows)]]
+            right.errorbar(files, ratio, spread, fmt=style, capsize=3, label=label)
+            right.axhline(TARGETS[name], color=style[:2], ls="--", lw=1,
+                          label=f"target, {name}: {TARGETS[name]}x")
+    left.set(ylabel="seconds to the first step", ylim=(0, None))
+    right.set(ylabel="x the ImageFolder script (same repeat)", ylim=(0, None))
+    for ax in (left, right):
+        ax.set(xscale="log", xlabel="files (hard links)")
+        ax.set_xticks(files, [f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k"
+                              for n in files])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{s['model']}, {s['img_size']} px, 1 process, {s['device']}; median and range "
+                 f"of {len(rows[0]['runs_s']['bare'])} repeats; commit "
+                 f"{report['versions'].get('git_describe') or 'unknown'}", fontsize=9)
+    fig.savefig(path, dpi=90)
     return path
