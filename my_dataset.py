@@ -11,6 +11,7 @@ image, as in the original tutorial; ``device_decode.BatchAugment`` reads the fil
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import logging
 import os
@@ -220,9 +221,13 @@ class MyDataSet(Dataset):
         if not self._bad[index]:
             yield index
         if self.replace_unreadable:
-            same = np.flatnonzero(np.asarray(self.images_class) == self.images_class[index])
+            same = np.flatnonzero(self._labels == self.images_class[index])
             rng = np.random.default_rng([self.seed % 2**63, max(int(self._epoch[0]), 0), index])
             yield from (int(i) for i in rng.permutation(same) if not self._bad[i])
+
+    @functools.cached_property
+    def _labels(self) -> np.ndarray:  # at the first unreadable file, not each: 0.1 s at 1.28M
+        return np.asarray(self.images_class)
 
     @staticmethod
     def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,19 +61,18 @@ def main(args: argparse.Namespace) -> None:
         run_on_main(claim_output_dir, out)
         ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
 
-    # 2. Data. Rank 0 scans the folder (unreadable files are skipped and listed) and shares the
-    # list; each machine reads it below its own --data-path. The split depends only on --seed.
+    # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
     root = args.data_path or str(make_demo_data(args.demo_dir or default_demo_root()))
-    scan = run_on_main(scan_image_folder, root, verify=args.verify_images).rebased(root)
+    scan = run_on_main(scan_image_folder, root, verify=args.verify_images, reuse=out).rebased(root)
     classes = scan.classes
     if args.num_classes not in (None, len(classes)):  # the class folders decide; say a mismatch
         raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} class "
                           "folders; drop the flag, or give the folder those classes.")
-    val_scan = (run_on_main(scan_image_folder, args.val_path, min_classes=1).rebased(
-        args.val_path) if args.val_path else None)  # a data set that comes split (all trains)
+    val_scan = (run_on_main(scan_image_folder, args.val_path, verify=args.verify_images,
+                            min_classes=1).rebased(args.val_path) if args.val_path else None)
     # A file's side depends only on its name and --seed: stable as the folder grows.
     train_paths, train_labels, val_paths, val_labels = split_train_val(
-        scan, args.val_rate, args.seed, val_scan=val_scan)
+        scan, args.val_rate, args.seed, val_scan=val_scan)  # --val-path: all of the rest trains
     transforms = get_transforms(args.img_size, args.decode)  # decoded by workers or the device
     skip_log = None if args.eval_only else out / "skipped_files.txt"
     train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
@@ -239,8 +238,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--workers", type=number(int, 0), help="per process (GPU: CPUs-1, CPU: <=8)")
     group.add_argument("--decode", default="auto", choices=["auto", "workers", "device"],
                        help="JPEGs decoded by the loader workers or on --device (auto: workers)")
-    group.add_argument("--verify-images", action=BoolFlag, default=True,
-                       help="check every image's header before training")
+    group.add_argument("--verify-images", action=BoolFlag, default=False,
+                       help="read every image's header before training (else the loader skips)")
     group = parser.add_argument_group("model")
     group.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="network")
     group.add_argument("--weights", type=path_flag, help="initial weights (what fits is loaded)")

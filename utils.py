@@ -1,9 +1,9 @@
 """Data helpers: scan and split an image folder, transforms, plots, demo data.
 
 A dataset is ``root/<class>/**/<image>``, the layout of ``torchvision.datasets.ImageFolder`` and
-of the tutorial's ``flower_photos``. What cannot be used (other files, hidden files, empty or
-unreadable images, dangling links) is skipped and listed with a reason, never dropped unsaid;
-a mistake in the layout itself is a :class:`DataError`, said in one sentence.
+of the tutorial's ``flower_photos``. What cannot be used (other files, hidden files, dangling
+links; with ``verify``, empty or unreadable images) is skipped and listed with a reason, never
+dropped unsaid; a mistake in the layout itself is a :class:`DataError`, said in one sentence.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from time import time_ns
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".gif", ".tif",
                   ".tiff")
 LAYOUT = "one sub-folder of images per class (e.g. flower_photos/daisy/*.jpg)"
+SCAN_FILE = "file_list.json"  # a run's FolderScan; moved aside with the run (checkpoint.RUN_FILES)
 
 
 class DataError(UserError):
@@ -56,6 +57,10 @@ class FolderScan:
     classes: list[str]
     images: list[list[str]]  # images[i]: sorted paths of the images of classes[i]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # sorted (path, reason)
+    # Each folder listed, by its path below the root: [mtime, ctime] in ns, read before listing.
+    times: dict[str, list[int]] = field(default_factory=dict)
+    verified: bool = False  # every image's header was read
+    reused: bool = False  # read from a run folder's SCAN_FILE, not listed again
 
     def summary(self, examples: int = 10) -> str:
         """A line of counts, then up to ``examples`` skipped files: one of each reason first,
@@ -73,20 +78,34 @@ class FolderScan:
 
     def rebased(self, root: str) -> FolderScan:
         """The same files below ``root``: each machine reads its own copy of rank 0's scan."""
-        old = os.path.join(self.root, "")
+        if root == self.root:
+            return self
+        old, new = os.path.join(self.root, ""), os.path.join(root, "")
 
         def move(path: str) -> str:
-            return os.path.join(root, path[len(old):]) if path.startswith(old) else path
+            return new + path[len(old):] if path.startswith(old) else path
         images = [[move(p) for p in paths] for paths in self.images]
-        return FolderScan(root, list(self.classes), images, [(move(p), w) for p, w in self.skipped])
+        return replace(self, root=root, images=images,
+                       skipped=[(move(p), w) for p, w in self.skipped])
 
 
-def _class_folders(root: str) -> tuple[list[str], list[tuple[str, str]]]:
+def _times(folder: str) -> list[int]:
+    """A folder's [mtime, ctime] in ns: a file added, removed or renamed in it changes both; a
+    chmod, or a tar or rsync that sets old mtimes, still changes the ctime. None that can be
+    trusted ([]) for a folder changed in the last 2 s: a change in the same clock tick (a jiffy,
+    or the 1-2 s of some file systems) would leave its times as they are."""
+    st = os.stat(folder)
+    return [] if time_ns() - st.st_ctime_ns < 2e9 else [st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _class_folders(root: str, times: dict[str, list[int]]
+                   ) -> tuple[list[str], list[tuple[str, str]]]:
     """The class folder names in ``root`` (sorted) and its other entries, with a reason."""
     if not os.path.isdir(root):
         what = "is not a folder" if os.path.exists(root) else "does not exist"
         raise DataError(f"data path {root} {what}; expected a folder with {LAYOUT}.")
     try:
+        times[""] = _times(root)
         with os.scandir(root) as it:
             entries = sorted(it, key=lambda e: e.name)
     except OSError as exc:
@@ -106,42 +125,62 @@ def _class_folders(root: str) -> tuple[list[str], list[tuple[str, str]]]:
     return classes, skipped
 
 
-def _walk_class(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """Image-named files below ``folder`` (sorted) and what was left out, with a reason. Linked
-    sub-folders (a link up the tree would loop), hidden and unreadable ones are not entered."""
-    found, skipped = [], []
+def _walk_class(folder: str, times: dict[str, list[int]], below: int
+                ) -> tuple[list[str], list[tuple[str, str]]]:
+    """Image-named files below ``folder`` (sorted) and what was left out, with a reason; each
+    folder's :func:`_times` go to ``times``, keyed by the path from character ``below`` on.
 
-    def unreadable(exc: OSError) -> None:  # os.walk would leave the folder out unsaid
-        skipped.append((exc.filename or folder, f"unreadable folder ({exc.strerror})"))
-
-    for top, dirs, files in os.walk(folder, onerror=unreadable):
-        for name in [d for d in dirs if d.startswith(".") or os.path.islink(os.path.join(top, d))]:
-            dirs.remove(name)
-            why = "hidden folder" if name.startswith(".") else "linked folder, not followed"
-            skipped.append((os.path.join(top, name), why))
-        for name in files:
-            path = os.path.join(top, name)
-            if name.startswith("."):
-                skipped.append((path, "hidden file"))
-            elif not name.lower().endswith(IMG_EXTENSIONS):
-                skipped.append((path, "not an image extension"))
-            else:
-                found.append(path)
+    Only names and the types ``os.scandir`` reads with them (d_type) are asked, as by
+    ``ImageFolder``: no stat or open per file, but per link, to see where it points. Linked
+    sub-folders (a link up the tree would loop), hidden and unreadable ones are not entered.
+    """
+    found, skipped, todo = [], [], [folder]
+    while todo:
+        top = todo.pop()
+        try:
+            times[top[below:]] = _times(top)
+            with os.scandir(top) as it:
+                entries = list(it)
+        except OSError as exc:  # os.walk would leave the folder out unsaid
+            skipped.append((top, f"unreadable folder ({exc.strerror})"))
+            continue
+        for entry in entries:
+            hidden = entry.name.startswith(".")
+            if entry.is_dir():  # a link to a folder too
+                if hidden or entry.is_symlink():
+                    skipped.append((entry.path, "hidden folder" if hidden
+                                    else "linked folder, not followed"))
+                else:
+                    todo.append(entry.path)
+            elif hidden or not entry.name.lower().endswith(IMG_EXTENSIONS):
+                skipped.append((entry.path, "hidden file" if hidden else "not an image extension"))
+            elif entry.is_file():
+                found.append(entry.path)
+            else:  # a FIFO would block its reader
+                gone = entry.is_symlink() and not os.path.exists(entry.path)
+                skipped.append((entry.path, "dangling link or missing file" if gone
+                                else "not a regular file"))
     return sorted(found), skipped
 
 
-def scan_image_folder(root: str | os.PathLike, *, verify: bool = True,
-                      min_classes: int = 2) -> FolderScan:
+def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_classes: int = 2,
+                      reuse: str | os.PathLike | None = None) -> FolderScan:
     """Find ``root/<class>/**/<image>``; the classes are the sorted sub-folder names.
 
-    Hidden files, other extensions, dangling links, empty files, linked or unreadable
-    sub-folders and (``verify``: a header read per file) unreadable images are skipped and
-    listed. A :class:`DataError` for a root that is missing or unreadable, a class folder
-    linked to storage that is not there, fewer than ``min_classes`` class folders, or a class
-    folder without a usable image.
+    Hidden files, other extensions, dangling links, files that are not regular (a FIFO), linked
+    or unreadable sub-folders are skipped and listed. ``verify`` also reads each image's header
+    (:func:`my_dataset.check_image`), to skip empty and unreadable images up front; otherwise
+    ``MyDataSet`` replaces and lists them when it meets them. ``reuse``: a run folder; the list
+    stored there (:data:`SCAN_FILE`, by :func:`write_scan_files`) is reused while no folder it
+    lists has changed, so a continued run does not list again. A :class:`DataError` for a root
+    that is missing or unreadable, a class folder linked to storage that is not there, fewer
+    than ``min_classes`` class folders, or a class folder without a usable image.
     """
     root = os.fspath(root)
-    classes, skipped = _class_folders(root)
+    if reuse is not None and (scan := _stored_scan(Path(reuse) / SCAN_FILE, root, verify)):
+        return scan
+    times: dict[str, list[int]] = {}
+    classes, skipped = _class_folders(root, times)
     if not classes:  # --data-path flower_photos/roses: a class folder, holding images itself
         hint = (f"; it holds images itself: did you mean {os.path.dirname(os.path.abspath(root))}?"
                 if any(p.lower().endswith(IMG_EXTENSIONS) for p, _ in skipped) else ".")
@@ -149,18 +188,19 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True,
     if len(classes) < min_classes:
         raise DataError(f"data path {root} has {len(classes)} class folder(s) ("
                         f"{', '.join(classes)}); at least {min_classes} are needed, {LAYOUT}.")
-    walks = [_walk_class(os.path.join(root, name)) for name in classes]
+    below = len(os.path.join(root, ""))
+    walks = [_walk_class(os.path.join(root, name), times, below) for name in classes]
     images = [found for found, _ in walks]
     skipped += [x for _, left_out in walks for x in left_out]
-    paths = [p for found in images for p in found]
-    reasons: list[str | None] = []
-    # Header reads wait on storage (PIL releases the GIL): threads help. In chunks, as map()
-    # makes all its futures at once: over a GB for ImageNet's 1.28M files.
-    with ThreadPoolExecutor(8) as pool:
-        for start in range(0, len(paths), 4096):
-            reasons += pool.map(partial(check_image, read_header=verify), paths[start:start + 4096])
-    bad = {p: why for p, why in zip(paths, reasons) if why}
-    images = [[p for p in found if p not in bad] for found in images]
+    bad: dict[str, str] = {}
+    if verify:  # header reads wait on storage (PIL releases the GIL): threads help. In chunks,
+        # as map() makes all its futures at once: over a GB for ImageNet's 1.28M files.
+        paths = [p for found in images for p in found]
+        with ThreadPoolExecutor(8) as pool:
+            for start in range(0, len(paths), 4096):
+                chunk = paths[start:start + 4096]
+                bad.update((p, why) for p, why in zip(chunk, pool.map(check_image, chunk)) if why)
+        images = [[p for p in found if p not in bad] for found in images]
     skipped = sorted((printable_path(p), why) for p, why in [*skipped, *bad.items()])
     for name, found in zip(classes, images):
         if not found:
@@ -169,7 +209,29 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True,
             note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
             raise DataError(f"class folder {folder} has no usable image{note}; add images or "
                             "remove the folder.")
-    return FolderScan(root, classes, images, skipped)
+    return FolderScan(root, classes, images, skipped, times, verified=verify)
+
+
+def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
+    """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
+    had then and its headers were read where ``verify`` asks; else None (list again). The times
+    miss a file changed in place (the list holds names: if it no longer decodes, the loader
+    replaces and lists it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            scan = FolderScan(**json.load(f))
+        usable = scan.verified >= verify and all(
+            then and _times(os.path.join(root, folder)) == then
+            for folder, then in scan.times.items())
+    except (OSError, ValueError, TypeError):  # none yet, a folder gone, another version's file
+        return None
+    if not usable:
+        return None
+    log.info("%s is unchanged since %s listed it: not listed again", root, path)
+    folders = [os.path.join(scan.root, name, "") for name in scan.classes]
+    images = [[folder + p for p in found] for folder, found in zip(folders, scan.images)]
+    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped],
+                   reused=True).rebased(root)
 
 
 def split_train_val(scan: FolderScan, val_rate: float, seed: int,
@@ -275,7 +337,11 @@ def tick_label(name: str, width: int = 24) -> str:
 
 def write_scan_files(out: Path, scan: FolderScan) -> None:
     """What a scan found, kept with the run: class_indices.json ({"0": "daisy", ...}, as the
-    classic template), skipped_files.txt (every file left out, and why) and a class histogram."""
+    classic template), skipped_files.txt (every file left out, and why), a class histogram and,
+    last, the scan itself (:data:`SCAN_FILE`), for a continued run to reuse. A reused scan writes
+    nothing: its files are there, skipped_files.txt with what the loader has added since."""
+    if scan.reused:
+        return
     write_json_atomic(out / "class_indices.json", dict(enumerate(scan.classes)))
     (out / "skipped_files.txt").unlink(missing_ok=True)  # an earlier scan's list would mislead
     if scan.skipped:  # nothing is dropped silently
@@ -283,6 +349,9 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
             "".join(f"{path}\t{why}\n" for path, why in scan.skipped), encoding="utf-8")
         log.warning("%s; the list is in %s", scan.summary(), out / "skipped_files.txt")
     plot_class_distribution(scan, out / "class_distribution.png")
+    below = [len(os.path.join(scan.root, name, "")) for name in scan.classes]
+    images = [[p[n:] for p in found] for n, found in zip(below, scan.images)]  # a third the bytes
+    write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": images}, compact=True)
 
 
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
@@ -291,10 +360,11 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     counts = [len(x) for x in scan.images]
     # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
     fig, ax = plt.subplots(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
-    bars = ax.bar(range(len(counts)), counts)
     if len(counts) <= CONFUSION_NAMES:
-        ax.bar_label(bars)
+        ax.bar_label(ax.bar(range(len(counts)), counts))
         ax.set_xticks(range(len(counts)), map(tick_label, scan.classes), rotation=45, ha="right")
+    else:  # one artist: 1000 bars take a second or two to draw, at every fresh start
+        ax.stairs(counts, [i - 0.5 for i in range(len(counts) + 1)], fill=True)
     ax.set(xlabel="image class", ylabel="number of images", title="class distribution")
     with warnings.catch_warnings():
         # CJK or emoji class names: the default font lacks them and warns once per glyph.
@@ -392,10 +462,12 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
     return path
 
 
-def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
-    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename)."""
+def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:
+    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename).
+    ``compact``: one line, non-ASCII as ``\\u`` escapes (file names that are not UTF-8 too)."""
     path = Path(path)
-    data = (json.dumps(obj, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
+    text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
+    data = (text + "\n").encode("utf-8")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
     try:
         tmp.write_bytes(data)

@@ -4,6 +4,8 @@
     python -m benchmarks --device cuda       # every visible GPU: NCCL, AMP, channels-last
     python -m benchmarks --device cuda --max-procs 4 --img-size 224 --batch-size 64
     python -m benchmarks --model resnet18 --img-size 32 --pipeline-images 16 --steps 3  # smoke
+    python -m benchmarks --stages startup --model resnet18 --img-size 32 --repeats 3
+        # time to the first step on 10k to 1.28M hard-linked files (minutes; --startup-files)
 
 What each stage measures is in the package's docstring (``benchmarks/__init__.py``) and in its
 own module.
@@ -24,7 +26,7 @@ from model import MODELS
 from multi_train_utils.distributed_utils import COMM_HOOKS
 from utils import DataError, HelpFormatter, path_flag, write_json_atomic
 
-from . import decode, fsdp, loop, pipeline, preemption, scaling, with_data
+from . import decode, fsdp, loop, pipeline, preemption, scaling, startup, with_data
 from .photos import default_image_dir
 from .report import header_lines, host_info, load_average, versions, write_chart
 
@@ -32,8 +34,9 @@ log = logging.getLogger("benchmarks")
 
 # Run in this order; a stage may read the parts of the report the stages before it wrote.
 STAGES = {"pipeline": pipeline, "loop": loop, "scaling": scaling, "with_data": with_data,
-          "preemption": preemption, "decode": decode, "fsdp": fsdp}
-DEFAULT_STAGES = ["pipeline", "loop", "scaling", "with_data", "preemption", "decode"]  # not fsdp
+          "preemption": preemption, "decode": decode, "fsdp": fsdp, "startup": startup}
+# Run by default; fsdp and startup take minutes (startup, a million hard links): when named.
+DEFAULT_STAGES = ["pipeline", "loop", "scaling", "with_data", "preemption", "decode"]
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -66,6 +69,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             sys.exit(f"error: --{flag} must be at least 1, not {value}.")
     if "fsdp" in args.stages and use_cuda:
         sys.exit("error: --stages fsdp measures host memory: add --device cpu.")
+    if min(args.startup_files) < 20:
+        sys.exit("error: --startup-files must each be at least 20 (10 files a class, 2 classes).")
     if "with_data" in args.stages and "loop" not in args.stages[:args.stages.index("with_data")]:
         sys.exit("error: --stages with_data compares with the loop stage's compute: put loop "
                  "before it.")
@@ -104,6 +109,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     written = [out / "benchmark.json"]
     if {"pipeline", "loop", "scaling"} <= set(args.stages):  # the chart's three panels
         written.append(write_chart(report, out / "benchmark.png"))
+    if "startup" in args.stages:
+        written.append(startup.write_chart(report, out / "startup.png"))
     print("\n" + report["table"], flush=True)
     print(f"\nwrote {' and '.join(map(str, written))}", flush=True)
     return report
@@ -116,9 +123,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter, add_help=add_help)
     parser.add_argument("--stages", nargs="+", default=DEFAULT_STAGES, choices=list(STAGES),
                         help="which stages to run, in this order (with_data reads pipeline's "
-                             "and loop's figures)")
+                             "and loop's figures; fsdp and startup run only when named)")
     parser.add_argument("--fsdp-models", nargs="+", default=["resnet50", "resnext101_32x8d"],
-                        choices=sorted(MODELS), help="the fsdp stage's models (2 CPU ranks)"),
+                        choices=sorted(MODELS), help="the fsdp stage's models (2 CPU ranks)")
     parser.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
     parser.add_argument("--img-size", type=int, default=64,
                         help="training crop for the loop and scaling runs")
@@ -179,6 +186,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="also run the largest process count without communication "
                              "(the hardware's ceiling), without SyncBN and with the other "
                              "comm hooks, and time the all-reduce alone")
+    parser.add_argument("--startup-files", type=int, nargs="+", default=list(startup.FILES),
+                        help="folder sizes the startup stage times (hard links, made and "
+                             "deleted in a temporary folder)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the generated photos and the synthetic batches")
     parser.add_argument("--output-dir", default="benchmark_results", type=path_flag,

@@ -14,7 +14,8 @@ from .checkpoint import CheckpointError
 
 log = logging.getLogger("train")
 RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "tensorboard",
-             "args.json", "class_indices.json", "skipped_files.txt", "class_distribution.png")
+             "args.json", "class_indices.json", "skipped_files.txt", "class_distribution.png",
+             "file_list.json")
 
 
 def claim_output_dir(out: Path) -> None:

@@ -145,17 +145,27 @@ def test_scan_skips_and_lists_every_kind_of_junk(messy):
     assert scan_image_folder(messy) == scan  # what rank 0 broadcasts, any rank would find
 
 
-def test_without_verify_only_the_file_system_is_asked(tmp_path):
+def test_without_verify_only_names_and_types_are_read(tmp_path, monkeypatch):
+    """As ImageFolder: what os.scandir reads with the names (d_type), a stat per folder (its
+    times) and none per file, no header; empty and unreadable images are left to the loader."""
     root = two_class_data(tmp_path / "data", 2)
+    make_class(root / "b" / "more", 1, 3)
     os.mkfifo(root / "a" / "pipe.jpg")  # opening it would block the scan forever
     (root / "a" / "zero.jpg").write_bytes(b"")
     (root / "b" / "bad.jpg").write_bytes(b"not a jpeg")
+    stat, stats = os.stat, []
+    monkeypatch.setattr(os, "stat", lambda path, **kw: stats.append(Path(path)) or stat(path, **kw))
+    monkeypatch.setattr(utils, "check_image", lambda path: pytest.fail(f"{path} was opened"))
     quick = scan_image_folder(root, verify=False)
-    assert quick.skipped == [(str(root / "a" / "pipe.jpg"), "not a regular file"),
-                             (str(root / "a" / "zero.jpg"), "empty file")]
-    assert str(root / "b" / "bad.jpg") in quick.images[1]  # left to the loader
-    assert (str(root / "b" / "bad.jpg"), "not a readable image (UnidentifiedImageError: cannot "
-            f"identify image file '{root / 'b' / 'bad.jpg'}')") in scan_image_folder(root).skipped
+    assert set(stats) == {root, root / "a", root / "b", root / "b" / "more"}
+    assert quick.skipped == [(str(root / "a" / "pipe.jpg"), "not a regular file")]
+    assert {str(root / "a" / "zero.jpg"), str(root / "b" / "bad.jpg")} <= {*sum(quick.images, [])}
+    monkeypatch.undo()
+    assert scan_image_folder(root).skipped == [
+        (str(root / "a" / "pipe.jpg"), "not a regular file"),
+        (str(root / "a" / "zero.jpg"), "empty file"),
+        (str(root / "b" / "bad.jpg"), "not a readable image (UnidentifiedImageError: cannot "
+         f"identify image file '{root / 'b' / 'bad.jpg'}')")]
 
 
 def _deny(monkeypatch, *denied: Path) -> None:

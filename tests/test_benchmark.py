@@ -260,6 +260,40 @@ def test_preemption_figures(report, bench):
     assert "with / without the per-step stop poll" in bench[0].stdout
 
 
+def test_startup_stage_links_a_tree_and_reports_each_count(tmp_path):
+    """The startup stage's pieces without its minutes of runs: the hard-linked tree, the table
+    and the chart from a report shaped as ``startup.run`` returns it."""
+    from benchmarks import startup
+
+    source = tmp_path / "one.jpg"
+    Image.new("RGB", (8, 8)).save(source)
+    startup.make_tree(tmp_path / "data", 0, 25, 5, [source])
+    startup.make_tree(tmp_path / "data", 25, 40, 5, [source])  # grown, as from 10k to 100k
+    assert len(list((tmp_path / "data").glob("c000[0-4]/*.JPEG"))) == 40
+    assert (tmp_path / "data" / "c0003" / "00000038.JPEG").stat().st_nlink == 41
+    runs = {"bare": [2.0, 3.0], "fresh": [3.0, 4.5], "continued": [2.2, 3.0]}
+    row = {"bare_s": 2.5, "fresh_s": 3.75, "continued_s": 2.6, "runs_s": runs,
+           "fresh_ratios": [1.5, 1.5], "fresh_ratio": 1.5, "continued_ratios": [1.1, 1.0],
+           "continued_ratio": 1.05,
+           "listing_s": {"scandir": 0.1, "image_folder": 0.25, "ours": 0.125}}
+    report = {"config": {"repeats": 2}, "versions": {"git_describe": "abc1234"},
+              "startup": {"files": {"1000": row, "300000": row}, "classes": 100, "workers": 2,
+                          "model": "resnet18", "img_size": 32, "batch_size": 16,
+                          "device": "cpu", "targets": startup.TARGETS,
+                          "broadcast": {"seconds": [0.5, 0.7], "rebase_seconds": [0.2, 0.3],
+                                        "paths": 300000, "pickled_mb": 20.0},
+                          "verify": {"files": 1000, "seconds": 0.5}}}
+    table = "\n".join(startup.table_lines(report))
+    assert "      300000          2.50      3.75        2.60       1.50x          1.05x" in table
+    assert re.search(r"\n +1000 +0.100 +0.250 +0.125\n", table)
+    assert re.search(r"header check of 1000 files \(--verify-images\) +0.5 s   2000 files/s",
+                     table)
+    assert re.search(r"rank 0's list of 300000 files to rank 1 +0.60 s   gloo, pickled 20 MB",
+                     table)
+    png = startup.write_chart(report, tmp_path / "startup.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--steps", "0", "--steps must be at least 1, not 0."),
     ("--workers", "-1", "--workers must be 0 or more, not -1."),

@@ -188,6 +188,7 @@ def test_the_same_command_continues_at_that_batch_to_the_uninterrupted_weights(
     res = run(torchrun_cmd(2, LAUNCH, *flags_for(stopped_by_rank1.argv, out)))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert f"resuming from epoch 1, step 3 of {STEPS_PER_EPOCH}\n" in res.stderr
+    assert "listed it: not listed again" in res.stderr  # the stored file list, not a new scan
     assert_same_run(out, reference_run.out)
 
 

@@ -176,7 +176,7 @@ def test_move_earlier_run_says_where_the_files_a_run_reads_went(tmp_path):
     out = tmp_path / "run"
     (out / "weights").mkdir(parents=True)
     for name in ("checkpoint.pth", "model_best.pth", "weights/model-0.pth", "skipped_files.txt",
-                 "class_distribution.png", "notes.pth"):
+                 "class_distribution.png", "file_list.json", "notes.pth"):
         (out / name).write_text(name)
     spelled = str(tmp_path / "." / "run" / "checkpoint.pth")  # <out>/checkpoint.pth itself
     assert move_earlier_run(out, spelled, None) == (spelled, None)
@@ -187,8 +187,8 @@ def test_move_earlier_run_says_where_the_files_a_run_reads_went(tmp_path):
     assert (resume, weights) == (str(stamp / "model_best.pth"),
                                  str(stamp / "weights" / "model-0.pth"))
     assert sorted(p.name for p in stamp.iterdir()) == [
-        "checkpoint.pth", "class_distribution.png", "model_best.pth", "skipped_files.txt",
-        "weights"]
+        "checkpoint.pth", "class_distribution.png", "file_list.json", "model_best.pth",
+        "skipped_files.txt", "weights"]
     assert sorted(p.name for p in out.iterdir()) == ["notes.pth", "previous-runs"]
     assert move_earlier_run(out, None, str(out / "notes.pth")) == (None, str(out / "notes.pth"))
 
