@@ -36,6 +36,10 @@ except ImportError:  # an optional extra
     codec_decode_jpeg = None
 try:  # once torchvision's decoders are gone too, and no TorchCodec, PIL decodes all
     from torchvision.io import ImageReadMode, decode_jpeg
+try:  # POSIX; on Windows the appends to a skip log go unlocked
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
 except ImportError:  # pragma: no cover - depends on the installed torchvision
     decode_jpeg = None
 
@@ -52,8 +56,7 @@ def printable_path(path: str | os.PathLike) -> str:
     """``path`` as one field of a UTF-8 line: bytes that are not UTF-8 on disk (kept by Python
     as lone surrogates) become ``\\xff`` escapes, tabs and line breaks ``\\t``/``\\n``/``\\r``,
     so tab-separated listings such as ``skipped_files.txt`` stay parseable."""
-    raw = os.fspath(path)
-    data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
+    data = os.fspath(path).encode("utf-8", "surrogateescape")
     return data.decode("utf-8", "backslashreplace").translate(_ESCAPES)
 
 
@@ -96,21 +99,16 @@ def load_image_tensor(path: str) -> torch.Tensor:
     return TF.pil_to_tensor(load_pil_image(path))
 
 
-def check_image(path: str, *, read_header: bool = True) -> str | None:
-    """Why ``path`` is not a usable image, as a short phrase, or None when it looks fine.
-
-    Without ``read_header`` only ``stat`` is asked (missing, unreadable, empty, not a regular
-    file: a FIFO would block its reader). With it, PIL identifies the format and size without
-    decoding, and a JPEG or PNG without its end marker (cut short) is decoded to be sure.
-    """
+def check_image(path: str) -> str | None:
+    """Why ``path`` is not a usable image, as a short phrase, or None when it looks fine: PIL
+    reads the header only, a JPEG or PNG without its end marker (cut short) is decoded to be
+    sure. A FIFO is refused first: it would block its reader."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
         if st.st_size == 0:
             return "empty file"
-        if not read_header:
-            return None
         with open(path, "rb") as f:
             f.seek(max(0, st.st_size - 1024))
             tail = f.read()
@@ -240,7 +238,8 @@ class MyDataSet(Dataset):
 
 
 def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | None) -> None:
-    """A warning, and ``path<TAB>reason`` appended to ``skip_log`` unless listed there."""
+    """A warning, and ``path<TAB>reason`` appended to ``skip_log`` unless listed there (by
+    another rank or worker: the lock makes "already listed?" and the append one step)."""
     name = printable_path(path)
     detail = _first_line(exc).replace("\t", " ")  # a tab would split the listing's line
     reason = f"not a readable image at load time ({type(exc).__name__}: {detail})"
@@ -248,23 +247,14 @@ def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | N
     if skip_log is None:
         return
     try:
-        # Every rank (and worker) appends here; the lock makes "already listed?" and the
-        # append one step, so a file met by several ranks is listed once.
         with open(skip_log, "a+", encoding="utf-8", errors="backslashreplace") as f:
-            _lock(f)  # ranks and workers append to one list
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_EX)
             f.seek(0)
             if not any(line.startswith(name + "\t") for line in f):
                 f.write(f"{name}\t{reason}\n")
     except OSError as err:  # a full disk must not kill the worker: say so instead
         log.warning("could not list %s in %s: %s", name, skip_log, err)
-
-
-def _lock(f: Any) -> None:
-    try:
-        import fcntl  # POSIX; on Windows the appends go unlocked
-    except ImportError:
-        return
-    fcntl.flock(f, fcntl.LOCK_EX)
 
 
 def default_workers(batch_size: int, device: torch.device) -> int:
