@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -220,12 +220,10 @@ def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     try:
         with open(path, encoding="utf-8") as f:
             scan = FolderScan(**json.load(f))
-        usable = scan.verified >= verify and all(
-            then and _times(os.path.join(root, folder)) == then
-            for folder, then in scan.times.items())
+        if scan.verified < verify or not all(then and _times(os.path.join(root, folder)) == then
+                                             for folder, then in scan.times.items()):
+            return None
     except (OSError, ValueError, TypeError):  # none yet, a folder gone, another version's file
-        return None
-    if not usable:
         return None
     log.info("%s is unchanged since %s listed it: not listed again", root, path)
     folders = [os.path.join(scan.root, name, "") for name in scan.classes]
@@ -272,8 +270,7 @@ def label_by_class_name(classes: Sequence[str], val_scan: FolderScan
                         ) -> tuple[list[str], list[int]]:
     """The images of a separate validation folder (``--val-path``), labelled by the index of
     their class folder's name in ``classes`` (the training classes)."""
-    unknown = [c for c in val_scan.classes if c not in classes]
-    if unknown:
+    if unknown := [c for c in val_scan.classes if c not in classes]:
         raise DataError(f"validation folder {val_scan.root} has class folder(s) the training "
                         f"data lacks: {', '.join(unknown[:10])}; the model has no output for "
                         "them, so name them as in the training data or remove them.")
@@ -467,10 +464,9 @@ def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = Fals
     ``compact``: one line, non-ASCII as ``\\u`` escapes (file names that are not UTF-8 too)."""
     path = Path(path)
     text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
-    data = (text + "\n").encode("utf-8")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
     try:
-        tmp.write_bytes(data)
+        tmp.write_bytes((text + "\n").encode("utf-8"))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -507,9 +503,9 @@ class BoolFlag(argparse.BooleanOptionalAction):
         setattr(namespace, self.dest, str(values).lower() in ("true", "1", "yes"))
 
 
-def number(kind: type, low: float, high: float = math.inf, *, above: bool = False):
-    """An argparse ``type`` for ``low <= x <= high`` (``above``: ``low < x``); a usage error
-    names the range."""
+def number(kind: type, low: float, high: float = math.inf, *,
+           above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for ``low <= x <= high`` (``above``: ``low < x``), naming the range."""
     def parse(text: str) -> float:
         value = kind(text)
         inside = (value > low if above else value >= low) and value <= high
