@@ -543,7 +543,7 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
         draw.line([(x, y), (x + rng.uniform(-12, 12), y - rng.uniform(5, 25))],
                   fill=jitter((40, 120, 40), 35), width=rng.randrange(1, 4))
 
-    def ellipse_points(cx, cy, a, b, angle, n=10):
+    def oval(cx, cy, a, b, angle, n=10):  # n points of an ellipse turned by angle
         return [(cx + a * math.cos(t) * math.cos(angle) - b * math.sin(t) * math.sin(angle),
                  cy + a * math.cos(t) * math.sin(angle) + b * math.sin(t) * math.cos(angle))
                 for t in (2 * math.pi * k / n for k in range(n))]
@@ -561,23 +561,20 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
             for k in range(petals):
                 angle = spin + 2 * math.pi * k / petals
                 px, py = cx + 0.55 * r * math.cos(angle), cy + 0.55 * r * math.sin(angle)
-                petal = ellipse_points(px, py, 0.48 * r, width, angle)
-                draw.polygon(petal, fill=jitter(colour, 20))
-            centre = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
-                      "dandelion": ((230, 170, 20), 0.3)}[cls]
-            draw.ellipse([cx - centre[1] * r, cy - centre[1] * r, cx + centre[1] * r,
-                          cy + centre[1] * r], fill=jitter(centre[0], 20))
+                draw.polygon(oval(px, py, 0.48 * r, width, angle), fill=jitter(colour, 20))
+            centre, c = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
+                         "dandelion": ((230, 170, 20), 0.3)}[cls]
+            draw.ellipse([cx - c * r, cy - c * r, cx + c * r, cy + c * r], fill=jitter(centre, 20))
         elif cls == "roses":
             base = jitter((200, 25, 45), 30)
             for layer in range(4):  # darker layers inwards
                 lr_ = r * (1 - 0.22 * layer)
-                draw.polygon(ellipse_points(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7),
-                             fill=tuple(max(0, c - 25 * layer) for c in base))
+                draw.polygon(oval(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7),
+                             fill=tuple(max(0, v - 25 * layer) for v in base))
         else:  # tulips: a cup of three petals
             colour = jitter(rng.choice(((230, 90, 170), (200, 80, 220), (240, 120, 150))), 20)
             for offset in (-0.45, 0.0, 0.45):
-                petal = ellipse_points(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0)
-                draw.polygon(petal, fill=colour)
+                draw.polygon(oval(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0), fill=colour)
             draw.rectangle([cx - 0.75 * r, cy + 0.15 * r, cx + 0.75 * r, cy + 0.6 * r], fill=colour)
     return img.filter(ImageFilter.GaussianBlur(rng.uniform(0, 0.7)))
 
