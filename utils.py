@@ -129,11 +129,8 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
                 ) -> tuple[list[str], list[tuple[str, str]]]:
     """Image-named files below ``folder`` (sorted) and what was left out, with a reason; each
     folder's :func:`_times` go to ``times``, keyed by the path from character ``below`` on.
-
-    Only names and the types ``os.scandir`` reads with them (d_type) are asked, as by
-    ``ImageFolder``: no stat or open per file, but per link, to see where it points. Linked
-    sub-folders (a link up the tree would loop), hidden and unreadable ones are not entered.
-    """
+    Only the names and types ``os.scandir`` reads are asked, as by ``ImageFolder``: no stat or
+    open per file but per link. Linked sub-folders are not entered: a link up the tree loops."""
     found, skipped, todo = [], [], [folder]
     while todo:
         top = todo.pop()
@@ -165,17 +162,10 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
 
 def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_classes: int = 2,
                       reuse: str | os.PathLike | None = None) -> FolderScan:
-    """Find ``root/<class>/**/<image>``; the classes are the sorted sub-folder names.
-
-    Hidden files, other extensions, dangling links, files that are not regular (a FIFO), linked
-    or unreadable sub-folders are skipped and listed. ``verify`` also reads each image's header
-    (:func:`my_dataset.check_image`), to skip empty and unreadable images up front; otherwise
-    ``MyDataSet`` replaces and lists them when it meets them. ``reuse``: a run folder; the list
-    stored there (:data:`SCAN_FILE`, by :func:`write_scan_files`) is reused while no folder it
-    lists has changed, so a continued run does not list again. A :class:`DataError` for a root
-    that is missing or unreadable, a class folder linked to storage that is not there, fewer
-    than ``min_classes`` class folders, or a class folder without a usable image.
-    """
+    """Find ``root/<class>/**/<image>``; the classes are the sorted sub-folder names. ``verify``
+    also reads each image's header (:func:`my_dataset.check_image`), else ``MyDataSet`` lists
+    what it cannot decode when it meets it. ``reuse``: a run folder whose stored list
+    (:data:`SCAN_FILE`) is reused while no folder it lists has changed."""
     root = os.fspath(root)
     if reuse is not None and (scan := _stored_scan(Path(reuse) / SCAN_FILE, root, verify)):
         return scan
@@ -215,8 +205,7 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
 def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
     had then and its headers were read where ``verify`` asks; else None (list again). The times
-    miss a file changed in place (the list holds names: if it no longer decodes, the loader
-    replaces and lists it)."""
+    miss a file changed in place: if it no longer decodes, the loader replaces and lists it."""
     try:
         with open(path, encoding="utf-8") as f:
             scan = FolderScan(**json.load(f))
@@ -236,15 +225,11 @@ def split_train_val(scan: FolderScan, val_rate: float, seed: int,
                     val_scan: FolderScan | None = None
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
     """Split each class: a file validates when the hash of ``(seed, its path below the root)``
-    falls below ``val_rate``. Returns ``(train_paths, train_labels, val_paths, val_labels)``.
-    With ``val_scan`` (a data set that comes split, ``--val-path``) all of ``scan`` trains and
-    ``val_scan``'s images validate, labelled by their class folder's name.
-
-    Unlike drawing ``k`` images per class (the classic template), adding or removing files moves
-    no other file across, and a moved data root splits the same way (as TensorFlow's
-    speech_commands ``which_set``). With ``0 < val_rate < 1`` a class of two or more images
-    keeps one on each side: its lowest hash validates, its highest trains.
-    """
+    falls below ``val_rate``, so adding or removing files moves no other file across and a moved
+    root splits the same way (unlike the classic template's draw of ``k`` per class; as
+    TensorFlow's speech_commands ``which_set``). With ``0 < val_rate < 1`` a class of two or
+    more images keeps one on each side. With ``val_scan`` (``--val-path``) all of ``scan``
+    trains. Returns ``(train_paths, train_labels, val_paths, val_labels)``."""
     if val_scan is not None:
         return (*split_train_val(scan, 0.0, seed)[:2],
                 *label_by_class_name(scan.classes, val_scan))
@@ -301,10 +286,9 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False
 
 
 def get_transforms(img_size: int, decode: str = "workers") -> dict[str, Any]:
-    """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``.
-    Normalisation happens on the device, so the workers send a quarter of the bytes; validation
-    resizes the short side to ``img_size * 256 / 224`` and centre-crops, as torchvision does.
-    ``--decode device`` leaves both, and decoding, to the device (``device_decode``)."""
+    """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``,
+    validation as torchvision's (resize, centre crop); normalisation happens on the device, so
+    the workers send a quarter of the bytes. ``--decode device`` decodes and augments there too."""
     pipelines = {"train": v2.Compose([v2.RandomResizedCrop(img_size), v2.RandomHorizontalFlip()]),
                  "val": v2.Compose([v2.Resize(int(img_size * 256 / 224)), v2.CenterCrop(img_size)])}
     return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
@@ -333,10 +317,9 @@ def tick_label(name: str, width: int = 24) -> str:
 
 
 def write_scan_files(out: Path, scan: FolderScan) -> None:
-    """What a scan found, kept with the run: class_indices.json ({"0": "daisy", ...}, as the
-    classic template), skipped_files.txt (every file left out, and why), a class histogram and,
-    last, the scan itself (:data:`SCAN_FILE`), for a continued run to reuse. A reused scan writes
-    nothing: its files are there, skipped_files.txt with what the loader has added since."""
+    """What a scan found, kept with the run: class_indices.json, skipped_files.txt, a class
+    histogram and, last, :data:`SCAN_FILE` for a continued run. A reused scan writes nothing:
+    its files are there, skipped_files.txt with what the loader has added since."""
     if scan.reused:
         return
     write_json_atomic(out / "class_indices.json", dict(enumerate(scan.classes)))
@@ -422,8 +405,7 @@ def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds:
 
 def log_epoch(writer: Any, record: dict[str, Any], classes: Sequence[str],
               confusion: torch.Tensor, last: bool) -> None:
-    """An epoch's numbers (a ``metrics.jsonl`` record) as scalars; at the ``last`` epoch the
-    ``confusion`` matrix too."""
+    """An epoch's ``metrics.jsonl`` record as scalars; at the ``last`` epoch the confusion too."""
     for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
         writer.add_scalar(tag, record[tag], record["epoch"])
     if last:
