@@ -2,10 +2,8 @@
 the run.
 
 JPEGs are decoded by TorchCodec or ``torchvision.io`` into ``uint8 (3, H, W)`` (about twice PIL's
-speed per worker, see docs), other formats by PIL. A ``transforms.v2`` pipeline (``get_transforms``)
-then augments the uint8 tensor and normalisation happens on the device. Any other transform (the
-classic ``torchvision.transforms.Compose([..., ToTensor(), Normalize(...)])``) gets an RGB PIL
-image, as in the original tutorial; ``device_decode.BatchAugment`` reads the files itself.
+speed per worker, see docs), other formats by PIL, for a ``transforms.v2`` pipeline. Any other
+transform (the classic ``Compose([..., ToTensor(), Normalize(...)])``) gets an RGB PIL image.
 """
 
 from __future__ import annotations
@@ -38,6 +36,10 @@ try:  # once torchvision's decoders are gone too, and no TorchCodec, PIL decodes
     from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:  # pragma: no cover - depends on the installed torchvision
     decode_jpeg = None
+try:  # POSIX; on Windows the appends to a skip log go unlocked
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,7 @@ def printable_path(path: str | os.PathLike) -> str:
     """``path`` as one field of a UTF-8 line: bytes that are not UTF-8 on disk (kept by Python
     as lone surrogates) become ``\\xff`` escapes, tabs and line breaks ``\\t``/``\\n``/``\\r``,
     so tab-separated listings such as ``skipped_files.txt`` stay parseable."""
-    raw = os.fspath(path)
-    data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
+    data = os.fspath(path).encode("utf-8", "surrogateescape")
     return data.decode("utf-8", "backslashreplace").translate(_ESCAPES)
 
 
@@ -79,12 +80,10 @@ def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device) -> list[tor
 
 
 def load_image_tensor(path: str) -> torch.Tensor:
-    """The image at ``path`` as ``uint8 (3, H, W)`` RGB with EXIF orientation applied.
-
-    Only JPEG goes through :func:`decode_jpegs`: torchvision's PNG decoder kills the process on
-    damaged data where PIL raises (pytorch/vision#3613), it decodes every frame of an animated
-    GIF to return the first, and it ignores WebP's EXIF orientation.
-    """
+    """The image at ``path`` as ``uint8 (3, H, W)`` RGB with EXIF orientation applied. Only JPEG
+    goes through :func:`decode_jpegs`: torchvision's PNG decoder kills the process on damaged
+    data where PIL raises (pytorch/vision#3613), decodes every frame of an animated GIF to
+    return the first, and ignores WebP's EXIF orientation."""
     with open(path, "rb") as f:
         data = f.read()
     if data.startswith(_JPEG_START) and (codec_decode_jpeg or decode_jpeg) is not None:
@@ -96,21 +95,16 @@ def load_image_tensor(path: str) -> torch.Tensor:
     return TF.pil_to_tensor(load_pil_image(path))
 
 
-def check_image(path: str, *, read_header: bool = True) -> str | None:
-    """Why ``path`` is not a usable image, as a short phrase, or None when it looks fine.
-
-    Without ``read_header`` only ``stat`` is asked (missing, unreadable, empty, not a regular
-    file: a FIFO would block its reader). With it, PIL identifies the format and size without
-    decoding, and a JPEG or PNG without its end marker (cut short) is decoded to be sure.
-    """
+def check_image(path: str) -> str | None:
+    """Why ``path`` is not a usable image, as a short phrase, or None when it looks fine: PIL
+    reads the header only, a JPEG or PNG without its end marker (cut short) is decoded to be
+    sure. A FIFO is refused first: it would block its reader."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
         if st.st_size == 0:
             return "empty file"
-        if not read_header:
-            return None
         with open(path, "rb") as f:
             f.seek(max(0, st.st_size - 1024))
             tail = f.read()
@@ -131,8 +125,7 @@ def check_image(path: str, *, read_header: bool = True) -> str | None:
 
 
 def _machine_error(exc: BaseException) -> bool:
-    """Out of file descriptors: the machine's problem, not the file's; a good image must not
-    be called unreadable for it."""
+    """Out of file descriptors: the machine's problem; a good image is not unreadable for it."""
     return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
 
 
@@ -148,12 +141,11 @@ class MyDataSet(Dataset):
     augmentation of sample ``i`` depends only on ``(seed, e, i)``: not on the worker count or
     the world size, so a resumed run replays what an uninterrupted one would have seen.
 
-    A file that fails to decode is reported once per dataset (a warning and, with ``skip_log``,
-    a line ``path<TAB>reason`` appended to that file unless already listed, e.g. by another
-    rank). In its place comes, with ``replace_unreadable`` (training), a readable image of the
-    same class drawn from ``(seed, epoch, i)``: a black placeholder would still pass through
-    BatchNorm and drag its statistics. Otherwise (validation), or when its class has no readable
-    image, a black image with label ``IGNORE_INDEX``, which the loss and ``evaluate`` ignore.
+    A file that fails to decode is reported once per dataset (:func:`report_unreadable`, to
+    ``skip_log``). In its place comes, with ``replace_unreadable`` (training), a readable image
+    of the same class: a black placeholder would still pass through BatchNorm and drag its
+    statistics. Otherwise (validation), or when its class has no readable image, a black image
+    with label ``IGNORE_INDEX``, which the loss and ``evaluate`` ignore.
     """
 
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int],
@@ -240,7 +232,8 @@ class MyDataSet(Dataset):
 
 
 def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | None) -> None:
-    """A warning, and ``path<TAB>reason`` appended to ``skip_log`` unless listed there."""
+    """A warning, and ``path<TAB>reason`` appended to ``skip_log`` unless listed there (by
+    another rank or worker: the lock makes "already listed?" and the append one step)."""
     name = printable_path(path)
     detail = _first_line(exc).replace("\t", " ")  # a tab would split the listing's line
     reason = f"not a readable image at load time ({type(exc).__name__}: {detail})"
@@ -248,23 +241,14 @@ def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | N
     if skip_log is None:
         return
     try:
-        # Every rank (and worker) appends here; the lock makes "already listed?" and the
-        # append one step, so a file met by several ranks is listed once.
         with open(skip_log, "a+", encoding="utf-8", errors="backslashreplace") as f:
-            _lock(f)  # ranks and workers append to one list
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_EX)
             f.seek(0)
             if not any(line.startswith(name + "\t") for line in f):
                 f.write(f"{name}\t{reason}\n")
     except OSError as err:  # a full disk must not kill the worker: say so instead
         log.warning("could not list %s in %s: %s", name, skip_log, err)
-
-
-def _lock(f: Any) -> None:
-    try:
-        import fcntl  # POSIX; on Windows the appends go unlocked
-    except ImportError:
-        return
-    fcntl.flock(f, fcntl.LOCK_EX)
 
 
 def default_workers(batch_size: int, device: torch.device) -> int:
@@ -279,13 +263,9 @@ def default_workers(batch_size: int, device: torch.device) -> int:
 
 
 def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
-    """``DataLoader`` keyword arguments for ``MyDataSet`` batches.
-
-    Workers stay alive between epochs and keep ``PREFETCH_FACTOR`` batches in flight, so an
-    epoch does not start by waiting for them; batches are pinned for the copy to a GPU; a batch
-    that takes ``LOADER_TIMEOUT_S`` (a worker lost, storage hung) raises instead of hanging; the
-    workers ignore stop signals, so a stopping run still gets the batches of its last step.
-    """
+    """``DataLoader`` keyword arguments for ``MyDataSet`` batches: the workers stay alive
+    between epochs, so an epoch does not start by waiting for them, and ignore stop signals, so
+    a stopping run still gets the batches of its last step; batches are pinned for a GPU."""
     kwargs: dict[str, Any] = dict(num_workers=workers, collate_fn=MyDataSet.collate_fn,
                                   pin_memory=device.type == "cuda")
     if workers > 0:  # DataLoader refuses these without workers

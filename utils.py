@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -129,11 +129,8 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
                 ) -> tuple[list[str], list[tuple[str, str]]]:
     """Image-named files below ``folder`` (sorted) and what was left out, with a reason; each
     folder's :func:`_times` go to ``times``, keyed by the path from character ``below`` on.
-
-    Only names and the types ``os.scandir`` reads with them (d_type) are asked, as by
-    ``ImageFolder``: no stat or open per file, but per link, to see where it points. Linked
-    sub-folders (a link up the tree would loop), hidden and unreadable ones are not entered.
-    """
+    Only the names and types ``os.scandir`` reads are asked, as by ``ImageFolder``: no stat or
+    open per file but per link. Linked sub-folders are not entered: a link up the tree loops."""
     found, skipped, todo = [], [], [folder]
     while todo:
         top = todo.pop()
@@ -165,17 +162,10 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
 
 def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_classes: int = 2,
                       reuse: str | os.PathLike | None = None) -> FolderScan:
-    """Find ``root/<class>/**/<image>``; the classes are the sorted sub-folder names.
-
-    Hidden files, other extensions, dangling links, files that are not regular (a FIFO), linked
-    or unreadable sub-folders are skipped and listed. ``verify`` also reads each image's header
-    (:func:`my_dataset.check_image`), to skip empty and unreadable images up front; otherwise
-    ``MyDataSet`` replaces and lists them when it meets them. ``reuse``: a run folder; the list
-    stored there (:data:`SCAN_FILE`, by :func:`write_scan_files`) is reused while no folder it
-    lists has changed, so a continued run does not list again. A :class:`DataError` for a root
-    that is missing or unreadable, a class folder linked to storage that is not there, fewer
-    than ``min_classes`` class folders, or a class folder without a usable image.
-    """
+    """Find ``root/<class>/**/<image>``; the classes are the sorted sub-folder names. ``verify``
+    also reads each image's header (:func:`my_dataset.check_image`), else ``MyDataSet`` lists
+    what it cannot decode when it meets it. ``reuse``: a run folder whose stored list
+    (:data:`SCAN_FILE`) is reused while no folder it lists has changed."""
     root = os.fspath(root)
     if reuse is not None and (scan := _stored_scan(Path(reuse) / SCAN_FILE, root, verify)):
         return scan
@@ -215,17 +205,14 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
 def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
     had then and its headers were read where ``verify`` asks; else None (list again). The times
-    miss a file changed in place (the list holds names: if it no longer decodes, the loader
-    replaces and lists it)."""
+    miss a file changed in place: if it no longer decodes, the loader replaces and lists it."""
     try:
         with open(path, encoding="utf-8") as f:
             scan = FolderScan(**json.load(f))
-        usable = scan.verified >= verify and all(
-            then and _times(os.path.join(root, folder)) == then
-            for folder, then in scan.times.items())
+        if scan.verified < verify or not all(then and _times(os.path.join(root, folder)) == then
+                                             for folder, then in scan.times.items()):
+            return None
     except (OSError, ValueError, TypeError):  # none yet, a folder gone, another version's file
-        return None
-    if not usable:
         return None
     log.info("%s is unchanged since %s listed it: not listed again", root, path)
     folders = [os.path.join(scan.root, name, "") for name in scan.classes]
@@ -238,15 +225,11 @@ def split_train_val(scan: FolderScan, val_rate: float, seed: int,
                     val_scan: FolderScan | None = None
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
     """Split each class: a file validates when the hash of ``(seed, its path below the root)``
-    falls below ``val_rate``. Returns ``(train_paths, train_labels, val_paths, val_labels)``.
-    With ``val_scan`` (a data set that comes split, ``--val-path``) all of ``scan`` trains and
-    ``val_scan``'s images validate, labelled by their class folder's name.
-
-    Unlike drawing ``k`` images per class (the classic template), adding or removing files moves
-    no other file across, and a moved data root splits the same way (as TensorFlow's
-    speech_commands ``which_set``). With ``0 < val_rate < 1`` a class of two or more images
-    keeps one on each side: its lowest hash validates, its highest trains.
-    """
+    falls below ``val_rate``, so adding or removing files moves no other file across and a moved
+    root splits the same way (unlike the classic template's draw of ``k`` per class; as
+    TensorFlow's speech_commands ``which_set``). With ``0 < val_rate < 1`` a class of two or
+    more images keeps one on each side. With ``val_scan`` (``--val-path``) all of ``scan``
+    trains. Returns ``(train_paths, train_labels, val_paths, val_labels)``."""
     if val_scan is not None:
         return (*split_train_val(scan, 0.0, seed)[:2],
                 *label_by_class_name(scan.classes, val_scan))
@@ -272,8 +255,7 @@ def label_by_class_name(classes: Sequence[str], val_scan: FolderScan
                         ) -> tuple[list[str], list[int]]:
     """The images of a separate validation folder (``--val-path``), labelled by the index of
     their class folder's name in ``classes`` (the training classes)."""
-    unknown = [c for c in val_scan.classes if c not in classes]
-    if unknown:
+    if unknown := [c for c in val_scan.classes if c not in classes]:
         raise DataError(f"validation folder {val_scan.root} has class folder(s) the training "
                         f"data lacks: {', '.join(unknown[:10])}; the model has no output for "
                         "them, so name them as in the training data or remove them.")
@@ -304,10 +286,9 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False
 
 
 def get_transforms(img_size: int, decode: str = "workers") -> dict[str, Any]:
-    """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``.
-    Normalisation happens on the device, so the workers send a quarter of the bytes; validation
-    resizes the short side to ``img_size * 256 / 224`` and centre-crops, as torchvision does.
-    ``--decode device`` leaves both, and decoding, to the device (``device_decode``)."""
+    """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``,
+    validation as torchvision's (resize, centre crop); normalisation happens on the device, so
+    the workers send a quarter of the bytes. ``--decode device`` decodes and augments there too."""
     pipelines = {"train": v2.Compose([v2.RandomResizedCrop(img_size), v2.RandomHorizontalFlip()]),
                  "val": v2.Compose([v2.Resize(int(img_size * 256 / 224)), v2.CenterCrop(img_size)])}
     return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
@@ -336,10 +317,9 @@ def tick_label(name: str, width: int = 24) -> str:
 
 
 def write_scan_files(out: Path, scan: FolderScan) -> None:
-    """What a scan found, kept with the run: class_indices.json ({"0": "daisy", ...}, as the
-    classic template), skipped_files.txt (every file left out, and why), a class histogram and,
-    last, the scan itself (:data:`SCAN_FILE`), for a continued run to reuse. A reused scan writes
-    nothing: its files are there, skipped_files.txt with what the loader has added since."""
+    """What a scan found, kept with the run: class_indices.json, skipped_files.txt, a class
+    histogram and, last, :data:`SCAN_FILE` for a continued run. A reused scan writes nothing:
+    its files are there, skipped_files.txt with what the loader has added since."""
     if scan.reused:
         return
     write_json_atomic(out / "class_indices.json", dict(enumerate(scan.classes)))
@@ -425,8 +405,7 @@ def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds:
 
 def log_epoch(writer: Any, record: dict[str, Any], classes: Sequence[str],
               confusion: torch.Tensor, last: bool) -> None:
-    """An epoch's numbers (a ``metrics.jsonl`` record) as scalars; at the ``last`` epoch the
-    ``confusion`` matrix too."""
+    """An epoch's ``metrics.jsonl`` record as scalars; at the ``last`` epoch the confusion too."""
     for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
         writer.add_scalar(tag, record[tag], record["epoch"])
     if last:
@@ -467,10 +446,9 @@ def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = Fals
     ``compact``: one line, non-ASCII as ``\\u`` escapes (file names that are not UTF-8 too)."""
     path = Path(path)
     text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
-    data = (text + "\n").encode("utf-8")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
     try:
-        tmp.write_bytes(data)
+        tmp.write_bytes((text + "\n").encode("utf-8"))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -507,9 +485,9 @@ class BoolFlag(argparse.BooleanOptionalAction):
         setattr(namespace, self.dest, str(values).lower() in ("true", "1", "yes"))
 
 
-def number(kind: type, low: float, high: float = math.inf, *, above: bool = False):
-    """An argparse ``type`` for ``low <= x <= high`` (``above``: ``low < x``); a usage error
-    names the range."""
+def number(kind: type, low: float, high: float = math.inf, *,
+           above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for ``low <= x <= high`` (``above``: ``low < x``), naming the range."""
     def parse(text: str) -> float:
         value = kind(text)
         inside = (value > low if above else value >= low) and value <= high
@@ -547,7 +525,7 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
         draw.line([(x, y), (x + rng.uniform(-12, 12), y - rng.uniform(5, 25))],
                   fill=jitter((40, 120, 40), 35), width=rng.randrange(1, 4))
 
-    def ellipse_points(cx, cy, a, b, angle, n=10):
+    def oval(cx, cy, a, b, angle, n=10):  # n points of an ellipse turned by angle
         return [(cx + a * math.cos(t) * math.cos(angle) - b * math.sin(t) * math.sin(angle),
                  cy + a * math.cos(t) * math.sin(angle) + b * math.sin(t) * math.cos(angle))
                 for t in (2 * math.pi * k / n for k in range(n))]
@@ -565,23 +543,20 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
             for k in range(petals):
                 angle = spin + 2 * math.pi * k / petals
                 px, py = cx + 0.55 * r * math.cos(angle), cy + 0.55 * r * math.sin(angle)
-                petal = ellipse_points(px, py, 0.48 * r, width, angle)
-                draw.polygon(petal, fill=jitter(colour, 20))
-            centre = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
-                      "dandelion": ((230, 170, 20), 0.3)}[cls]
-            draw.ellipse([cx - centre[1] * r, cy - centre[1] * r, cx + centre[1] * r,
-                          cy + centre[1] * r], fill=jitter(centre[0], 20))
+                draw.polygon(oval(px, py, 0.48 * r, width, angle), fill=jitter(colour, 20))
+            centre, c = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
+                         "dandelion": ((230, 170, 20), 0.3)}[cls]
+            draw.ellipse([cx - c * r, cy - c * r, cx + c * r, cy + c * r], fill=jitter(centre, 20))
         elif cls == "roses":
             base = jitter((200, 25, 45), 30)
             for layer in range(4):  # darker layers inwards
                 lr_ = r * (1 - 0.22 * layer)
-                draw.polygon(ellipse_points(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7),
-                             fill=tuple(max(0, c - 25 * layer) for c in base))
+                draw.polygon(oval(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7),
+                             fill=tuple(max(0, v - 25 * layer) for v in base))
         else:  # tulips: a cup of three petals
             colour = jitter(rng.choice(((230, 90, 170), (200, 80, 220), (240, 120, 150))), 20)
             for offset in (-0.45, 0.0, 0.45):
-                petal = ellipse_points(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0)
-                draw.polygon(petal, fill=colour)
+                draw.polygon(oval(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0), fill=colour)
             draw.rectangle([cx - 0.75 * r, cy + 0.15 * r, cx + 0.75 * r, cy + 0.6 * r], fill=colour)
     return img.filter(ImageFilter.GaussianBlur(rng.uniform(0, 0.7)))
 
