@@ -1,10 +1,9 @@
 """ResNet and ResNeXt image classifiers, compatible with ``torchvision.models``.
 
-One :class:`ResNet` class builds every depth; the depth is data (blocks per stage, e.g.
-``[3, 4, 6, 3]`` for ResNet-50) and the residual block type (:class:`BasicBlock` or
-:class:`Bottleneck`). Module names, parameter shapes and the forward pass match torchvision's
-exactly, so its ImageNet weights load with ``strict=True`` and give the same outputs. Downloading
-weights is left to the caller, e.g.::
+One :class:`ResNet` class builds every depth: the depth is data (blocks per stage, e.g.
+``[3, 4, 6, 3]`` for ResNet-50) plus the block type (:class:`BasicBlock` or :class:`Bottleneck`).
+Module names, parameter shapes and the forward pass match torchvision's, so its ImageNet weights
+load with ``strict=True`` and give the same outputs; downloading them is left to the caller::
 
     resnet50().load_state_dict(torchvision.models.resnet50(weights="IMAGENET1K_V2").state_dict())
 
@@ -15,9 +14,8 @@ Pick a model by name (this is what ``--model`` in the training script uses)::
     gn = get_model("resnet18", norm_layer=lambda c: nn.GroupNorm(32, c))  # no BatchNorm at all
 
 For SyncBatchNorm, convert after building (``multi_train_utils.sync_batchnorm``) rather than
-passing a norm layer here. :func:`freeze_backbone` trains only the classifier (``--freeze-layers``).
-
-Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs/1611.05431.
+passing a norm layer here. Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt,
+https://arxiv.org/abs/1611.05431.
 """
 
 from __future__ import annotations
@@ -44,13 +42,10 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 convolutions plus a shortcut, used by ResNet-18/34.
+    """Two 3x3 convolutions plus a shortcut, used by ResNet-18/34:
+    ``(N, inplanes, H, W) -> (N, planes, H / stride, W / stride)``."""
 
-    ``(N, inplanes, H, W) -> (N, planes, H / stride, W / stride)``.
-    """
-
-    # Output channels = planes * expansion; the stage builder needs it before a block exists.
-    expansion: int = 1
+    expansion: int = 1  # output channels = planes * expansion, known before a block is built
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1,
                  downsample: nn.Module | None = None, groups: int = 1, base_width: int = 64,
@@ -70,7 +65,6 @@ class BasicBlock(nn.Module):
         self.conv2 = conv3x3(planes, planes)
         self.bn2 = norm_layer(planes)
         self.downsample = downsample
-        self.stride = stride
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -81,8 +75,7 @@ class BasicBlock(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    """1x1 reduce, 3x3 (grouped for ResNeXt), 1x1 expand, plus a shortcut; ResNet-50 and deeper.
-
+    """1x1 reduce, 3x3 (grouped for ResNeXt), 1x1 expand, plus a shortcut; ResNet-50 and deeper:
     ``(N, inplanes, H, W) -> (N, planes * 4, H / stride, W / stride)``.
 
     The stride sits on the 3x3 convolution, not on the first 1x1 as in the original paper. This
@@ -111,7 +104,6 @@ class Bottleneck(nn.Module):
         self.bn3 = norm_layer(planes * self.expansion)
         self.relu = nn.ReLU(inplace=True)
         self.downsample = downsample
-        self.stride = stride
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -126,15 +118,12 @@ Block = type[BasicBlock] | type[Bottleneck]
 
 
 class ResNet(nn.Module):
-    """Stem, four residual stages and (optionally) a pooled linear classifier.
-
-    With ``include_top=True``: ``(N, 3, H, W) -> (N, num_classes)`` logits.
-    With ``include_top=False``: ``(N, 3, H, W) -> (N, num_features, H / 32, W / 32)`` feature map
-    (rounded up; ``H / 16`` or ``H / 8`` when strides are replaced with dilation), where
-    ``num_features`` is 512 for BasicBlock models and 2048 for Bottleneck models.
+    """Stem, four residual stages and (with ``include_top``) a pooled linear classifier:
+    ``(N, 3, H, W) -> (N, num_classes)`` logits, else ``(N, num_features, H / 32, W / 32)``
+    features (rounded up; ``H / 16`` or ``H / 8`` with dilation), ``num_features`` being 512
+    with BasicBlock and 2048 with Bottleneck.
 
     Args:
-        layers: number of blocks in each of the four stages, e.g. ``[3, 4, 6, 3]``.
         zero_init_residual: start each residual branch's last norm layer at zero so every block
             begins as an identity; +0.2-0.3% top-1 per https://arxiv.org/abs/1706.02677.
         groups, width_per_group: ResNeXt's cardinality of the 3x3 convolutions and its channels
@@ -194,10 +183,8 @@ class ResNet(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        if zero_init_residual:
-            for m in self.modules():
-                last_norm = (m.bn3 if isinstance(m, Bottleneck)
-                             else m.bn2 if isinstance(m, BasicBlock) else None)
+            elif zero_init_residual and isinstance(m, (BasicBlock, Bottleneck)):
+                last_norm = m.bn3 if isinstance(m, Bottleneck) else m.bn2
                 # Norm layers without an affine weight (or nn.Identity) have nothing to zero.
                 if isinstance(getattr(last_norm, "weight", None), Tensor):
                     nn.init.zeros_(last_norm.weight)
@@ -254,39 +241,34 @@ def _resnet(block: Block, layers: list[int], num_classes: int, include_top: bool
                   **{**kwargs, **fixed})
 
 
+# torchvision's builders, under its names (so ``--model`` spells them as torchvision does);
+# ``kwargs`` go to :class:`ResNet`.
 def resnet18(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
-    """ResNet-18 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
     return _resnet(BasicBlock, [2, 2, 2, 2], num_classes, include_top, kwargs)
 
 
 def resnet34(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
-    """ResNet-34 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
     return _resnet(BasicBlock, [3, 4, 6, 3], num_classes, include_top, kwargs)
 
 
 def resnet50(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
-    """ResNet-50 V1.5 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
     return _resnet(Bottleneck, [3, 4, 6, 3], num_classes, include_top, kwargs)
 
 
 def resnet101(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
-    """ResNet-101 V1.5 (https://arxiv.org/abs/1512.03385); ``kwargs`` go to :class:`ResNet`."""
     return _resnet(Bottleneck, [3, 4, 23, 3], num_classes, include_top, kwargs)
 
 
 def resnext50_32x4d(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
-    """ResNeXt-50 32x4d (https://arxiv.org/abs/1611.05431); ``kwargs`` go to :class:`ResNet`."""
     return _resnet(Bottleneck, [3, 4, 6, 3], num_classes, include_top, kwargs, groups=32,
                    width_per_group=4)
 
 
 def resnext101_32x8d(num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> ResNet:
-    """ResNeXt-101 32x8d (https://arxiv.org/abs/1611.05431); ``kwargs`` go to :class:`ResNet`."""
     return _resnet(Bottleneck, [3, 4, 23, 3], num_classes, include_top, kwargs, groups=32,
                    width_per_group=8)
 
 
-# Name -> builder; the names are torchvision's, so `--model` spells them as torchvision does.
 MODELS: dict[str, Callable[..., ResNet]] = {
     f.__name__: f for f in (resnet18, resnet34, resnet50, resnet101, resnext50_32x4d,
                             resnext101_32x8d)}
@@ -309,12 +291,10 @@ def _batchnorm_eval(model: nn.Module, inputs: Any) -> None:
 def freeze_backbone(model: nn.Module) -> None:
     """Train only the classifier ``fc`` of ``model`` (call it before DDP wraps the model).
 
-    Freezing weights is not enough: in train mode BatchNorm normalises with each batch's
-    statistics and overwrites its running ones, so the "frozen" features would drift and the
-    pretrained statistics be lost. A forward pre-hook on ``model`` switches every BatchNorm to
-    eval mode before each forward: it holds after ``model.train()`` and after
-    ``convert_sync_batchnorm`` swaps the BatchNorm modules, since it looks them up each time.
-    """
+    Freezing weights is not enough: in train mode BatchNorm normalises with each batch's statistics
+    and overwrites its running ones, so the "frozen" features would drift. A forward pre-hook on
+    ``model`` switches every BatchNorm to eval mode before each forward, looking them up each
+    time, so it holds after ``model.train()`` and after ``convert_sync_batchnorm``."""
     if not any(name.startswith("fc.") for name, _ in model.named_parameters()):
         raise ValueError("freeze_backbone needs a model with an `fc` classifier "
                          "(include_top=True).")

@@ -52,11 +52,9 @@ def _is_number(value: Any) -> bool:
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
-    """Read a ``metrics.jsonl``; malformed lines are skipped with a warning on stderr.
-
-    When an epoch appears more than once (a run resumed from an older checkpoint re-trains those
-    epochs), the last record wins: it describes the weights the run continued from.
-    """
+    """Read a ``metrics.jsonl``; malformed lines are skipped with a warning on stderr. When an
+    epoch appears more than once (a run resumed from an older checkpoint re-trains those epochs),
+    the last record wins: it describes the weights the run continued from."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:

@@ -49,8 +49,7 @@ DEFAULT_IMG_SIZE = 224
 @dataclass(frozen=True)
 class Prediction:
     """One image's result: ``probs`` is the softmax ``(num_classes,)``, ``top_k`` the best
-    ``(class, probability)`` pairs; for an unreadable image both are empty and ``error``
-    says why."""
+    ``(class, probability)`` pairs; an unreadable image has neither, and ``error`` says why."""
 
     path: Path
     probs: Tensor | None
@@ -150,11 +149,9 @@ def collect_images(inputs: Sequence[Path]) -> list[Path]:
 
 
 def _load(path: Path, transform: Any) -> Tensor:
-    """``uint8 (3, img_size, img_size)``; raises OSError with training's reason for a bad file."""
-    # The header check first: it refuses what the decoder would hang on (a FIFO) or decode in
-    # full (a decompression bomb), and names the problem as training's scan does.
-    why = check_image(str(path))
-    if why:
+    """``uint8 (3, img_size, img_size)``. The header check comes first, as in training's scan: it
+    refuses what the decoder would hang on (a FIFO) or decode in full (a decompression bomb)."""
+    if why := check_image(str(path)):
         raise OSError(why)
     return transform(load_image_tensor(str(path)))
 
@@ -163,10 +160,8 @@ def _load(path: Path, transform: Any) -> Tensor:
 def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str], img_size: int,
             device: torch.device, top_k: int = 5, batch_size: int = 32) -> Iterator[Prediction]:
     """One :class:`Prediction` per path, in order, batch by batch (so output can start early).
-
     Images get training's validation preprocessing, so ``model`` sees what the validation
-    accuracy saw: ``(B, 3, img_size, img_size)`` normalised -> ``(B, len(classes))`` logits.
-    """
+    accuracy saw: ``(B, 3, img_size, img_size)`` normalised -> ``(B, len(classes))`` logits."""
     transform = get_transforms(img_size)["val"]
     model.eval().to(device)  # eval: BatchNorm uses its running statistics, not the batch's
     for start in range(0, len(paths), batch_size):

@@ -4,10 +4,9 @@
     CUDA_VISIBLE_DEVICES=0,3 python train_multi_gpu_using_spawn.py ...       # GPUs 0 and 3
     python train_multi_gpu_using_spawn.py --device cpu --world-size 2 ...    # 2 CPU processes
 
-This file only starts the processes: a free port (unless --dist-url tcp://HOST:PORT or
-MASTER_PORT names one), the same environment torchrun gives, then each process runs the same
-``main`` as train_multi_gpu_using_launch.py. Ctrl-C or SIGTERM stops every process cleanly; if
-one dies, the others are stopped and the launcher says which. For several machines use torchrun.
+This file only starts the processes (a free port, the environment torchrun gives); each runs
+the ``main`` of train_multi_gpu_using_launch.py. Ctrl-C or SIGTERM stops them all cleanly; if one
+dies, the others are stopped and the launcher says which. For several machines use torchrun.
 """
 
 import argparse
@@ -45,7 +44,7 @@ def world_size_of(args: argparse.Namespace) -> int:
     """--world-size, else one process per visible GPU, else 2 CPU processes."""
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     if args.world_size is not None:
-        if args.device != "cpu" and 0 < gpus < args.world_size:
+        if 0 < gpus < args.world_size:
             raise ConfigError(f"--world-size {args.world_size} but only {gpus} GPU(s) are "
                               "visible; lower it, or add --device cpu.")
         return args.world_size
@@ -94,8 +93,7 @@ def launch(args: argparse.Namespace) -> None:
             sys.exit(128 + stopped[0])  # the processes said how to continue
         if exc.exit_code == EXIT_USER_ERROR:  # the process already said what is wrong
             sys.exit(EXIT_USER_ERROR)
-        how = (f"signal {exc.signal_name}" if exc.exit_code is not None and exc.exit_code < 0
-               else f"exit code {exc.exit_code}")
+        how = f"signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
         log.error("error: process %d failed (%s); the others were stopped; %s.",
                   exc.error_index, how, rerun_hint(args.output_dir, args.resume))
         sys.exit(1)

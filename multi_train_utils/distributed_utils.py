@@ -77,9 +77,8 @@ def _read_env() -> tuple[int, int, int] | None:
                  or os.environ.get("SLURM_NODELIST") or "127.0.0.1")
         first = re.split(r",(?![^\[]*\])", nodes)[0]  # a comma outside brackets ends a name
         os.environ.setdefault("MASTER_ADDR", re.sub(r"\[([^\],\-]+)[^\]]*\]", r"\1", first))
-        step = _env_int("SLURM_STEP_ID", 0)
-        os.environ.setdefault("MASTER_PORT",
-                              str(20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * step) % 12768))
+        port = 20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * _env_int("SLURM_STEP_ID", 0)) % 12768
+        os.environ.setdefault("MASTER_PORT", str(port))
     else:
         return None
     if not 0 <= env[0] < env[2]:
@@ -291,12 +290,10 @@ def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
     """CPUs this process may run on (affinity: a SLURM allocation, ``taskset``), fewer where a
     cgroup v2 ``cpu.max`` quota allows less time (``docker run --cpus``, a Kubernetes limit)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
+    with contextlib.suppress(OSError, ValueError, ZeroDivisionError):
         with open(os.path.join(cgroup, "cpu.max"), encoding="utf-8") as f:
             quota, period = f.read().split()  # "max 100000": no limit
         cpus = min(cpus or 1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError, ZeroDivisionError):
-        pass
     return max(1, cpus or 1)
 
 

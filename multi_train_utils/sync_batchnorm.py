@@ -1,11 +1,9 @@
-"""Synchronised BatchNorm that also runs on CPU with gloo.
+"""Synchronised BatchNorm that also runs on CPU with gloo (``torch.nn.SyncBatchNorm`` is CUDA-only).
 
-``torch.nn.SyncBatchNorm`` only accepts CUDA tensors, so on CPU the template used to train with
-per-rank statistics while claiming SyncBN. :class:`SyncBatchNormCPU` all-reduces the per-channel
-sum, sum of squares and count (one collective per layer per forward, one per backward) with an
-autograd function whose backward all-reduces the gradients, so the result equals
-``nn.BatchNorm2d`` on the concatenation of every rank's batch - forward, backward and running
-statistics - whatever each rank's batch size.
+:class:`SyncBatchNormCPU` all-reduces the per-channel sum, sum of squares and count (one
+collective per layer per forward, one per backward) with an autograd function whose backward
+all-reduces the gradients, so the result equals ``nn.BatchNorm2d`` on the concatenation of every
+rank's batch - forward, backward and running statistics - whatever each rank's batch size.
 """
 
 from __future__ import annotations
@@ -16,11 +14,9 @@ import torch.nn as nn
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Sum over ranks whose backward is the sum of every rank's gradient (d(sum)/dx_r = 1).
-
-    Written here because ``torch.distributed.nn.functional.all_reduce`` is deprecated and the
-    functional collectives suggested instead are not differentiable on every version.
-    """
+    """Sum over ranks whose backward sums every rank's gradient (d(sum)/dx_r = 1). Written here:
+    ``torch.distributed.nn.functional.all_reduce`` is deprecated, and the functional collectives
+    suggested instead are not differentiable on every version."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -37,11 +33,8 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over the union of all ranks' batches; plain BatchNorm in one process.
-
-    Input ``(N, C, *)`` -> output of the same shape. State-dict keys equal ``BatchNorm2d``'s.
-    ``process_group``: whose ranks share statistics (default: all).
-    """
+    """BatchNorm over the batches of all ranks of ``process_group`` (default: all); plain
+    BatchNorm in one process. ``(N, C, *)`` -> the same shape; state dict as ``BatchNorm2d``'s."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
@@ -85,10 +78,9 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
             raise ValueError("SyncBatchNorm needs more than one value per channel over all ranks "
                              f"(got {int(total.item())}); use a larger batch.")
         mean = (s1 + n_m) / total
-        # sum over ranks of sum((x - shift_r + shift_r - mean)^2), expanded. Biased, for
-        # normalising; a channel constant over the batch (identical or blank images) has
-        # variance 0, which rounding can take below -eps: rsqrt would give NaN where torch's
-        # BatchNorm gives 0.
+        # sum over ranks of sum((x - shift_r + shift_r - mean)^2), expanded; biased, for
+        # normalising. Clamped: a channel constant over the batch (identical or blank images)
+        # has variance 0, which rounding can take below -eps, and rsqrt to NaN (torch gives 0).
         var = ((s2 + 2 * m_s1 - 2 * mean * s1 + n_m2 - 2 * mean * n_m + mean * mean * total)
                / total).clamp(min=0)
         mean, var = mean.to(x.dtype), var.to(x.dtype)
