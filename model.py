@@ -1,21 +1,14 @@
 """ResNet and ResNeXt image classifiers, compatible with ``torchvision.models``.
 
-One :class:`ResNet` class builds every depth: the depth is data (blocks per stage, e.g.
-``[3, 4, 6, 3]`` for ResNet-50) plus the block type (:class:`BasicBlock` or :class:`Bottleneck`).
-Module names, parameter shapes and the forward pass match torchvision's, so its ImageNet weights
-load with ``strict=True`` and give the same outputs; downloading them is left to the caller::
-
-    resnet50().load_state_dict(torchvision.models.resnet50(weights="IMAGENET1K_V2").state_dict())
-
-Pick a model by name (this is what ``--model`` in the training script uses)::
+One :class:`ResNet` class builds every depth from blocks per stage (``[3, 4, 6, 3]`` for
+ResNet-50) and a block type. Module names, shapes and outputs match torchvision's, so its ImageNet
+weights load with ``strict=True`` (downloading them is left to the caller). By name, as
+``--model``::
 
     model = get_model("resnet50", num_classes=5)           # (N, 3, H, W) -> (N, 5)
     backbone = get_model("resnet50", include_top=False)    # (N, 3, H, W) -> (N, 2048, H/32, W/32)
-    gn = get_model("resnet18", norm_layer=lambda c: nn.GroupNorm(32, c))  # no BatchNorm at all
 
-For SyncBatchNorm, convert after building (``multi_train_utils.sync_batchnorm``) rather than
-passing a norm layer here. Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt,
-https://arxiv.org/abs/1611.05431.
+Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs/1611.05431.
 """
 
 from __future__ import annotations
@@ -78,11 +71,9 @@ class Bottleneck(nn.Module):
     """1x1 reduce, 3x3 (grouped for ResNeXt), 1x1 expand, plus a shortcut; ResNet-50 and deeper:
     ``(N, inplanes, H, W) -> (N, planes * 4, H / stride, W / stride)``.
 
-    The stride sits on the 3x3 convolution, not on the first 1x1 as in the original paper. This
-    "ResNet V1.5" variant is what torchvision's weights were trained with and is about 0.5% top-1
-    more accurate (https://ngc.nvidia.com/catalog/model-scripts/nvidia:resnet_50_v1_5_for_pytorch):
-    a strided 1x1 convolution simply skips 3/4 of its input positions, a strided 3x3 does not.
-    """
+    The stride sits on the 3x3 convolution, not the first 1x1 as in the paper: this "ResNet
+    V1.5" is what torchvision's weights were trained with, about 0.5% top-1 more accurate, as a
+    strided 1x1 skips 3/4 of its inputs (NVIDIA's resnet_50_v1_5_for_pytorch)."""
 
     expansion: int = 4
 
@@ -118,20 +109,14 @@ Block = type[BasicBlock] | type[Bottleneck]
 
 
 class ResNet(nn.Module):
-    """Stem, four residual stages and (with ``include_top``) a pooled linear classifier:
-    ``(N, 3, H, W) -> (N, num_classes)`` logits, else ``(N, num_features, H / 32, W / 32)``
-    features (rounded up; ``H / 16`` or ``H / 8`` with dilation), ``num_features`` being 512
-    with BasicBlock and 2048 with Bottleneck.
+    """Stem, four residual stages and (``include_top``) a pooled linear classifier: ``(N, 3, H,
+    W) -> (N, num_classes)`` logits, else ``(N, num_features, H / 32, W / 32)`` features (512 with
+    BasicBlock, 2048 with Bottleneck; ``H / 16`` or ``H / 8`` with dilation).
 
-    Args:
-        zero_init_residual: start each residual branch's last norm layer at zero so every block
-            begins as an identity; +0.2-0.3% top-1 per https://arxiv.org/abs/1706.02677.
-        groups, width_per_group: ResNeXt's cardinality of the 3x3 convolutions and its channels
-            per group per 64 planes (Bottleneck only).
-        replace_stride_with_dilation: three flags for stages 2-4; ``True`` keeps that stage's
-            resolution and dilates its convolutions instead (for dense prediction; Bottleneck only).
-        norm_layer: called as ``norm_layer(num_channels)``; e.g. ``lambda c: nn.GroupNorm(32, c)``.
-    """
+    ``zero_init_residual``: each block starts as an identity (+0.2-0.3% top-1, arXiv:1706.02677).
+    ``groups``, ``width_per_group``: ResNeXt's 3x3 paths and their channels per 64 planes;
+    ``replace_stride_with_dilation``: per stage 2-4, keep its resolution and dilate instead (both
+    Bottleneck only). ``norm_layer(num_channels)``, e.g. ``lambda c: nn.GroupNorm(32, c)``."""
 
     def __init__(self, block: Block, layers: list[int], num_classes: int = 1000,
                  include_top: bool = True, zero_init_residual: bool = False, groups: int = 1,
@@ -289,12 +274,10 @@ def _batchnorm_eval(model: nn.Module, inputs: Any) -> None:
 
 
 def freeze_backbone(model: nn.Module) -> None:
-    """Train only the classifier ``fc`` of ``model`` (call it before DDP wraps the model).
-
-    Freezing weights is not enough: in train mode BatchNorm normalises with each batch's statistics
-    and overwrites its running ones, so the "frozen" features would drift. A forward pre-hook on
-    ``model`` switches every BatchNorm to eval mode before each forward, looking them up each
-    time, so it holds after ``model.train()`` and after ``convert_sync_batchnorm``."""
+    """Train only the classifier ``fc`` of ``model`` (before DDP wraps it). In train mode
+    BatchNorm would still overwrite its running statistics and the frozen features drift, so a
+    forward pre-hook puts every BatchNorm in eval mode, also after ``model.train()`` and
+    ``convert_sync_batchnorm``."""
     if not any(name.startswith("fc.") for name, _ in model.named_parameters()):
         raise ValueError("freeze_backbone needs a model with an `fc` classifier "
                          "(include_top=True).")

@@ -1,10 +1,7 @@
-"""``MyDataSet``: image files and labels in, ``(image, label)`` out, without a bad file killing
-the run.
-
-JPEGs are decoded by TorchCodec or ``torchvision.io`` into ``uint8 (3, H, W)`` (about twice PIL's
-speed per worker, see docs), other formats by PIL, for a ``transforms.v2`` pipeline. Any other
-transform (the classic ``Compose([..., ToTensor(), Normalize(...)])``) gets an RGB PIL image.
-"""
+"""``MyDataSet``: image files and labels in, ``(image, label)`` out; a bad file does not kill the
+run. JPEGs are decoded by TorchCodec or ``torchvision.io`` to ``uint8 (3, H, W)`` (twice PIL's
+speed, see docs), other formats by PIL, for a ``transforms.v2`` pipeline; any other transform
+(the classic ``Compose([..., ToTensor(), Normalize(...)])``) gets an RGB PIL image."""
 
 from __future__ import annotations
 
@@ -80,10 +77,9 @@ def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device) -> list[tor
 
 
 def load_image_tensor(path: str) -> torch.Tensor:
-    """The image at ``path`` as ``uint8 (3, H, W)`` RGB with EXIF orientation applied. Only JPEG
-    goes through :func:`decode_jpegs`: torchvision's PNG decoder kills the process on damaged
-    data where PIL raises (pytorch/vision#3613), decodes every frame of an animated GIF to
-    return the first, and ignores WebP's EXIF orientation."""
+    """The image at ``path`` as ``uint8 (3, H, W)`` RGB, EXIF-oriented. Only JPEG goes through
+    :func:`decode_jpegs`: torchvision's PNG decoder kills the process on damaged data (vision#3613),
+    decodes all of an animated GIF and ignores WebP's EXIF orientation, unlike PIL."""
     with open(path, "rb") as f:
         data = f.read()
     if data.startswith(_JPEG_START) and (codec_decode_jpeg or decode_jpeg) is not None:
@@ -134,19 +130,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 class MyDataSet(Dataset):
-    """Images and integer labels; ``dataset[i]`` -> ``(image, label)``.
+    """Images and integer labels; ``dataset[i]`` -> ``(transform(image), label)``, the image
+    ``uint8 (3, H, W)`` for a ``transforms.v2`` transform or None, else RGB PIL. After
+    ``set_epoch(e)`` sample ``i``'s augmentation depends only on ``(seed, e, i)``, not on the
+    worker count or world size, so a resumed run replays what an uninterrupted one would see.
 
-    ``image`` is ``transform`` applied to ``uint8 (3, H, W)`` (a ``transforms.v2`` transform or
-    None) or to an RGB PIL image (any other transform). After ``set_epoch(e)`` the random
-    augmentation of sample ``i`` depends only on ``(seed, e, i)``: not on the worker count or
-    the world size, so a resumed run replays what an uninterrupted one would have seen.
-
-    A file that fails to decode is reported once per dataset (:func:`report_unreadable`, to
-    ``skip_log``). In its place comes, with ``replace_unreadable`` (training), a readable image
-    of the same class: a black placeholder would still pass through BatchNorm and drag its
-    statistics. Otherwise (validation), or when its class has no readable image, a black image
-    with label ``IGNORE_INDEX``, which the loss and ``evaluate`` ignore.
-    """
+    A file that fails to decode is reported once (:func:`report_unreadable`) and replaced, with
+    ``replace_unreadable`` (training), by a readable image of its class: a black one would still
+    drag BatchNorm's statistics. Otherwise, or if its class has none, by a black image with label
+    ``IGNORE_INDEX``, which the loss and ``evaluate`` ignore."""
 
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int],
                  transform: Callable[[Any], Any] | None = None, *, seed: int = 0,
@@ -206,10 +198,9 @@ class MyDataSet(Dataset):
         return (TF.to_pil_image(black) if self.use_pil else black), IGNORE_INDEX
 
     def _candidates(self, index: int) -> Iterator[int]:
-        """``index``, then (``replace_unreadable``) the other samples of its class in an order
-        drawn from ``(seed, epoch, index)``, all but those known to be unreadable. Drawn, not
-        the next one: unreadable files come in runs (a failed download), and one neighbour
-        standing in for a whole run would weigh as much as all of them."""
+        """``index``, then (``replace_unreadable``) its class's others not known unreadable, in an
+        order drawn from ``(seed, epoch, index)``: bad files come in runs (a failed download), and
+        one neighbour standing in for them all would weigh as much as all of them."""
         if not self._bad[index]:
             yield index
         if self.replace_unreadable:
@@ -252,10 +243,9 @@ def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | N
 
 
 def default_workers(batch_size: int, device: torch.device) -> int:
-    """Loader workers per process: at most a worker per image of the batch, and this process's
-    share of the CPUs (8 GPU processes on 16 CPUs get 2 each). On CUDA every CPU but the one
-    launching kernels decodes (on an H200 with 16 CPUs, 15 workers fed ResNet34 5,720 img/s,
-    8 workers 3,819); on CPU at most 8, as the workers take cores from training."""
+    """Loader workers per process: at most one per image of the batch and this process's share of
+    the CPUs. On CUDA every CPU but the one launching kernels (an H200 with 16 CPUs: 15 workers fed
+    ResNet34 5,720 img/s, 8 workers 3,819); on CPU at most 8, as they take cores from training."""
     batch_cap = batch_size if batch_size > 1 else 0
     if device.type == "cuda":
         return max(0, min(cpus_per_process() - 1, batch_cap))

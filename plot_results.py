@@ -24,6 +24,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from utils import HelpFormatter, path_flag, positive_int
+
 METRICS_FILE = "metrics.jsonl"
 # Keys every epoch record must have to be plotted; the training script always writes them.
 REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
@@ -152,44 +154,25 @@ def save_plots(runs: Sequence[Run], out_dir: Path, dpi: int = 120) -> list[Path]
 
 def main(args: argparse.Namespace) -> None:
     try:
-        written = save_plots(load_runs(args.run_dirs, args.labels), args.out_dir, args.dpi)
+        written = save_plots(load_runs(args.run_dirs, args.labels), Path(args.out_dir), args.dpi)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print("\n".join(map(str, written)))
 
 
-def _path(text: str) -> Path:
-    if not text.strip():  # "" would mean the current folder: an unset shell variable, usually
-        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
-    return Path(text).expanduser()
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None: those flags say in their help what happens without them."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Plot accuracy, loss and epoch time of training runs.",
-        formatter_class=_HelpFormatter, add_help=add_help)
-    parser.add_argument("run_dirs", nargs="+", type=_path, metavar="RUN_DIR",
+        formatter_class=HelpFormatter, add_help=add_help)
+    parser.add_argument("run_dirs", nargs="+", type=path_flag, metavar="RUN_DIR",
                         help=f"training --output-dir holding {METRICS_FILE}")
     group = parser.add_argument_group("output")
-    group.add_argument("--out-dir", "--output-dir", dest="out_dir", type=_path, required=True,
+    group.add_argument("--out-dir", "--output-dir", dest="out_dir", type=path_flag, required=True,
                        metavar="DIR", help="folder for the PNG files")
     group.add_argument("--labels", nargs="+", metavar="LABEL",
                        help="legend label per run (default: the folder names)")
-    group.add_argument("--dpi", type=_positive_int, default=120, help="resolution of the PNG files")
+    group.add_argument("--dpi", type=positive_int, default=120, help="resolution of the PNG files")
     return parser
 
 

@@ -3,14 +3,11 @@
     python predict.py --weights runs/train/model_best.pth tulip.jpg photos/
     python predict.py --weights runs/train/weights/model-29.pth --top-k 1 photos/
 
-Each image prints one line on stdout, tab-separated: its path, then the top-k ``class: probability``
-pairs, most likely first. Folders mean every image below them (hidden files skipped).
-
-A full checkpoint (``checkpoint.pth``, ``model_best.pth``) carries its class names and training
-arguments, so it works copied anywhere on its own; bare weights (``weights/model-N.pth``) take
-them from the run's ``class_indices.json`` and ``args.json``, beside them or one folder up. An
-unreadable image is reported on stderr and the rest still predicted (exit code 1); a mistake in
-the arguments is one ``error:`` line (exit code 2).
+Each image (folders: every image below them) prints one tab-separated line: its path, then the
+top-k ``class: probability`` pairs. A checkpoint carries its class names and flags, so it works
+copied anywhere; bare weights (``weights/model-N.pth``) take them from the run's
+``class_indices.json`` and ``args.json``, beside them or one folder up. An unreadable image is
+reported on stderr and the rest predicted (exit code 1); a flag mistake is one ``error:`` line.
 
 From Python::
 

@@ -5,8 +5,7 @@
     torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --device cpu    # gloo, no GPU
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
         train_multi_gpu_using_launch.py ...                                    # two machines
-    torchrun --nproc_per_node=4 --max-restarts=3 train_multi_gpu_using_launch.py ...
-        # a dead process restarts the group, which resumes from <output-dir>/checkpoint.pth
+    torchrun --nproc_per_node=4 --max-restarts=3 train_multi_gpu_using_launch.py  # resumes all
     srun python train_multi_gpu_using_launch.py ...                           # SLURM, task per GPU
     python train_multi_gpu_using_launch.py ...                                # one process
 

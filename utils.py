@@ -1,10 +1,9 @@
 """Data helpers: scan and split an image folder, transforms, plots, demo data.
 
-A dataset is ``root/<class>/**/<image>``, the layout of ``torchvision.datasets.ImageFolder`` and
-of the tutorial's ``flower_photos``. What cannot be used (other files, hidden files, dangling
-links; with ``verify``, empty or unreadable images) is skipped and listed with a reason, never
-dropped unsaid; a mistake in the layout itself is a :class:`DataError`, said in one sentence.
-"""
+A dataset is ``root/<class>/**/<image>``, as for ``ImageFolder`` and the tutorial's
+``flower_photos``. What cannot be used (other or hidden files, dangling links; with ``verify``,
+unreadable images) is skipped and listed with a reason; a mistake in the layout is a
+:class:`DataError`, one sentence."""
 
 from __future__ import annotations
 
@@ -90,10 +89,9 @@ class FolderScan:
 
 
 def _times(folder: str) -> list[int]:
-    """A folder's [mtime, ctime] in ns: a file added, removed or renamed in it changes both; a
-    chmod, or a tar or rsync that sets old mtimes, still changes the ctime. None that can be
-    trusted ([]) for a folder changed in the last 2 s: a change in the same clock tick (a jiffy,
-    or the 1-2 s of some file systems) would leave its times as they are."""
+    """A folder's [mtime, ctime] in ns, which a file added, removed or renamed changes (the ctime
+    even under a tar or rsync that sets old mtimes); [] for a folder changed in the last 2 s, as
+    a change in the same clock tick (up to 2 s on some file systems) would leave them alone."""
     st = os.stat(folder)
     return [] if time_ns() - st.st_ctime_ns < 2e9 else [st.st_mtime_ns, st.st_ctime_ns]
 
@@ -224,12 +222,10 @@ def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
 def split_train_val(scan: FolderScan, val_rate: float, seed: int,
                     val_scan: FolderScan | None = None
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
-    """Split each class: a file validates when the hash of ``(seed, its path below the root)``
-    falls below ``val_rate``, so adding or removing files moves no other file across and a moved
-    root splits the same way (unlike the classic template's draw of ``k`` per class; as
-    TensorFlow's speech_commands ``which_set``). With ``0 < val_rate < 1`` a class of two or
-    more images keeps one on each side. With ``val_scan`` (``--val-path``) all of ``scan``
-    trains. Returns ``(train_paths, train_labels, val_paths, val_labels)``."""
+    """``(train_paths, train_labels, val_paths, val_labels)``: a file validates when the hash of
+    ``(seed, its path below the root)`` is below ``val_rate`` (as TensorFlow's ``which_set``), so
+    adding files or moving the root moves no other file across. A class of two or more keeps one
+    on each side; with ``val_scan`` (``--val-path``) all of ``scan`` trains."""
     if val_scan is not None:
         return (*split_train_val(scan, 0.0, seed)[:2],
                 *label_by_class_name(scan.classes, val_scan))
@@ -415,10 +411,9 @@ def log_epoch(writer: Any, record: dict[str, Any], classes: Sequence[str],
 
 def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
                            save_path: str | os.PathLike | None = None) -> Path | None:
-    """Show up to 8 images of the first batch with their class names (``class_indices.json``
-    in the current folder), as the tutorial did; saved to ``save_path`` (default
-    ``data_loader_batch.png``) where there is no screen. Takes ``uint8 (N, 3, H, W)`` or
-    ImageNet-normalised float batches. Returns the saved path, or None when shown."""
+    """Show up to 8 images (uint8 or normalised) of the first batch, named by the current folder's
+    ``class_indices.json``, as the tutorial did; saved to ``save_path`` (default
+    ``data_loader_batch.png``) where there is no screen. Returns that path, or None when shown."""
     plt = _pyplot()
     indices = Path("class_indices.json")
     names = json.loads(indices.read_text("utf-8")) if indices.is_file() else {}

@@ -1,12 +1,11 @@
-"""Checkpoints that survive crashes: atomic saves, safe loads, resume (the folder they live in:
-``run_folder.py``).
+"""Checkpoints that survive crashes: atomic saves, safe loads, resume (their folder: run_folder.py).
 
 A run folder holds ``checkpoint.pth`` (everything to continue: model, optimizer, epoch, RNG,
 the run's flags and classes), ``model_best.pth`` (the same, of the best epoch),
 ``weights/model-N.pth`` (bare state dicts, loadable by torchvision) and ``metrics.jsonl``.
 ``checkpoint.pth`` is written last in each save, so it always marks a save that is complete.
-Model and optimizer state are whole tensors keyed by parameter name under DDP and FSDP alike
-(``torch.distributed.checkpoint.state_dict``), so a run resumes under either, at any world size.
+Under FSDP it names a folder of every rank's shards instead of holding the state; either kind
+resumes under either strategy, at any world size.
 """
 
 from __future__ import annotations
@@ -139,12 +138,11 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise CheckpointError(f"{path} does not fit this model and data ({len(missing)} "
                               f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
                               "accuracy would be meaningless; pass its --model and data.")
-    log.info("loaded %s: %d of the model's %d tensors%s", path,
-             len(unwrap(model).state_dict()) - len(missing), len(unwrap(model).state_dict()),
+    total = len(unwrap(model).state_dict())
+    log.info("loaded %s: %d of the model's %d tensors%s", path, total - len(missing), total,
              "; the classifier (fc) starts new" if any(k.startswith("fc.") for k in missing)
              else "")
-    if [k for k in missing if not k.startswith("fc.")] or [k for k in skipped
-                                                           if not k.startswith("fc.")]:
+    if any(not k.startswith("fc.") for k in [*missing, *skipped]):
         log.warning("%s and the model differ beyond the classifier (%d tensor(s) of the model "
                     "not loaded, %d of the file unused)", path, len(missing), len(skipped))
 
@@ -212,7 +210,8 @@ def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _prune_shards(out: Path, keep_last: int) -> None:
-    """Rank 0, after a save: remove the shard folders nothing needs (see save_checkpoint)."""
+    """Rank 0, after a save: remove the shard folders nothing needs, all but those
+    ``checkpoint.pth`` and ``model_best.pth`` name and the newest ``keep_last`` complete ones."""
     named = {Path(load_file(out / f)["shards"]).name for f in ("checkpoint.pth", "model_best.pth")
              if (out / f).is_file()}
     epochs = sorted((p for p in (out / "shards").iterdir()
@@ -244,13 +243,9 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
             ) -> tuple[int, float, float, list[dict], EpochProgress]:
     """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
     schedule at the next epoch, or at the epoch a stop interrupted. Returns (start epoch, best
-    acc, best val loss, metrics so far, where the start epoch stands: its beginning, or the
-    batch it was stopped at, with the loss summed so far given to rank 0).
-
-    The schedule is laid out anew, so a resume with more ``--epochs`` follows the longer
-    cosine. If the images per optimizer step changed (processes x batch x accumulation), the
-    lr is scaled by the same factor (linear scaling, Goyal et al. 2017, arXiv:1706.02677).
-    """
+    acc, best val loss, metrics so far, the start epoch's progress: none, or where it stopped).
+    The schedule is laid out anew (more ``--epochs``: the longer cosine); if the images per
+    optimizer step changed, the lr is scaled by the same factor (linear scaling, 1706.02677)."""
     try:
         if "shards" in ckpt:
             load_shards(ckpt["shards"], model, optimizer)
@@ -276,18 +271,16 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
                      part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
                      f"of its samples go to these {get_world_size()}" if moved else "")
     factor = images_per_step / saved.get("images_per_step", images_per_step)
-    if factor != 1 and saved.get("scale_lr", True):
-        if rank == 0:
-            log.warning("the checkpoint was trained with %s images per optimizer step, this "
-                        "run has %d: the learning rate is scaled by %.4g",
-                        saved["images_per_step"], images_per_step, factor)
-        for group in optimizer.param_groups:
-            group["initial_lr"] *= factor
+    factor = factor if saved.get("scale_lr", True) else 1.0
+    if factor != 1 and rank == 0:
+        log.warning("the checkpoint was trained with %s images per optimizer step, this run "
+                    "has %d: the learning rate is scaled by %.4g", saved["images_per_step"],
+                    images_per_step, factor)
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] *= factor
+        group["lr"] = group["initial_lr"] * lr_lambda(start)
     scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
     scheduler.last_epoch = start
-    for group, base, lr_lambda in zip(optimizer.param_groups, scheduler.base_lrs,
-                                      scheduler.lr_lambdas):
-        group["lr"] = base * lr_lambda(start)
     history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start]
     return start, ckpt.get("best_acc", 0.0), ckpt.get("best_loss", math.inf), history, progress
 
@@ -299,16 +292,11 @@ def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimize
                     final: bool = False) -> None:
     """Every rank calls it; rank 0 writes ``state`` (epoch, metrics, ...) with the model and
     optimizer state, every rank's RNG state and (``progress``) where the epoch stands. At an
-    epoch's end (``record``, its metrics line) also the epoch's weights, the best model and the
-    metrics line; part-way (``progress``) ``checkpoint.pth`` alone. ``checkpoint.pth`` is written
-    last: it marks a complete save. A stop signal waits until the files are on disk.
-
-    Under DDP the state is whole tensors in ``checkpoint.pth`` (``--keep-last`` K: the newest K
-    ``weights/model-N.pth``). Under FSDP each rank writes its own shards, nothing gathered, to
-    ``shards/epoch-N[-step-S]/`` (``torch.distributed.checkpoint``: a folder every rank can see),
-    and ``checkpoint.pth`` names that folder; the newest K epochs' folders are kept, those
-    ``checkpoint.pth`` and ``model_best.pth`` name, and none that is incomplete. The ``final``
-    save also writes the last and the best model to ``weights/``, torchvision's format."""
+    epoch's end (``record``: its metrics line) also the epoch's weights, the best model and the
+    metrics line; part-way ``checkpoint.pth`` alone. A stop signal waits until all is on disk.
+    Under FSDP each rank writes its shards, nothing gathered, to ``shards/epoch-N[-step-S]/`` (a
+    folder every rank can see), which ``checkpoint.pth`` names. ``--keep-last`` K keeps the newest
+    K epochs' weights or shards; the ``final`` FSDP save also exports the weights."""
     with signals_deferred():
         if is_sharded(model):
             tag = f"epoch-{state['epoch']}" + (f"-step-{progress.batches}" if progress else "")

@@ -16,14 +16,14 @@ import os
 import re
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .guard import UserError
+from .guard import UserError, stop_signals_to
 
 DEFAULT_TIMEOUT_S = 1800.0
 COMM_HOOKS = ("none", "bf16", "fp16")
@@ -109,12 +109,10 @@ def _pick_device(device: str, local_rank: int, launched: bool) -> torch.device:
 
 
 def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """torchrun's store with keys of this start only; None outside torchrun.
-
-    Restarted by ``--max-restarts``, workers meet in the same agent store, which still holds the
-    dead start's gloo addresses: a plain env:// init times out in gloo's connectFullMesh (torch
-    2.14). One machine's agent counts the restarts; agents of several count differently, so there
-    each rank counts its own starts (torchrun restarts every worker of every node together)."""
+    """torchrun's store with keys of this start only (None outside torchrun): restarted workers
+    meet in the same store, whose dead start's gloo addresses would time a plain env:// init out
+    (torch 2.14). Agents of several machines count restarts differently, so there each rank counts
+    its own starts (torchrun restarts every worker of every node together)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
         return None
@@ -128,31 +126,14 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"start{start}-world{world}", store)
 
 
-@contextlib.contextmanager
-def _stop_signals_kill() -> Iterator[None]:
-    """Ctrl-C and SIGTERM end the process at once inside the block. The rendezvous waits in C++,
-    where Python's handlers run only once it returns: up to the timeout, if the peers never come.
-    Nothing is written before the group exists, so dying there loses nothing."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    for signum, handler in saved.items():
-        if handler is not signal.SIG_IGN:  # ignored stays ignored (nohup ... &)
-            signal.signal(signum, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-
-
 def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: str = "env://",
                           timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
     """Create the default process group if a launcher started us; return where we are.
-
     ``device``: ``auto`` (the local rank's GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` (one
-    process); NCCL on CUDA, gloo on CPU. ``timeout_s`` bounds every collective: a dead peer is an
-    error, not a hang. As in the classic template a torchrun group of one is a group, and
-    ``init_distributed_mode(args)`` reads ``args.device``/``dist_url``/``dist_timeout`` and sets
-    ``args.rank``, ``world_size``, ``gpu``, ``distributed``, ``dist_backend``."""
+    process); NCCL on CUDA, gloo on CPU. ``timeout_s`` bounds every collective (a dead peer is an
+    error, not a hang). As in the classic template, ``init_distributed_mode(args)`` reads
+    ``args.device``/``dist_url``/``dist_timeout`` and sets ``args.rank``, ``world_size``, ``gpu``,
+    ``distributed``, ``dist_backend``."""
     if args is not None:
         device = getattr(args, "device", None) or device
         dist_url = getattr(args, "dist_url", None) or dist_url
@@ -174,7 +155,9 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
             raise LaunchError(f"--dist-url {dist_url!r} is not 'env://' or 'tcp://HOST:PORT'.")
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        with _stop_signals_kill():
+        # The rendezvous waits in C++, where Python's handlers would run only at its timeout,
+        # if the peers never come: a stop signal ends it at once (nothing is written yet).
+        with stop_signals_to(signal.SIG_DFL):
             store = _elastic_store(timeout) if dist_url == "env://" else None
             # device_id: NCCL connects now, so a set-up it refuses fails here, not later.
             dist.init_process_group(backend, init_method=None if store else dist_url,
@@ -274,9 +257,8 @@ def run_on_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def register_comm_hook(model: torch.nn.Module, name: str) -> None:
     """Compress a ``DistributedDataParallel`` model's gradient all-reduce to ``name`` (torch's
-    ``bf16_compress_hook``/``fp16_compress_hook``); ``"none"`` keeps exact fp32. Off by default:
-    16-bit gradients differ slightly from one process's; worth it where the all-reduce bounds
-    the step (gloo over TCP, GPUs without NVLink)."""
+    ``bf16_compress_hook``/``fp16_compress_hook``); ``"none"`` keeps exact fp32, the default.
+    Worth it where the all-reduce bounds the step (gloo over TCP, GPUs without NVLink)."""
     if name not in COMM_HOOKS:
         raise ValueError(f"comm hook {name!r} is not one of {', '.join(COMM_HOOKS)}.")
     if name != "none":

@@ -3,16 +3,13 @@
     guarded(main, args, rerun_hint=lambda: "run the same command again")
 
 - A user's mistake (``UserError``: flags, data, files) is one ``error: ...`` line, exit code 2.
-- A stop signal (Ctrl-C, SIGTERM from torchrun, SLURM or ``kill``, SIGUSR1/SIGUSR2) unwinds
-  like a KeyboardInterrupt, so every ``finally`` runs, the DataLoader workers stop and the process
-  group is destroyed: nothing is left behind. Exit code 128 + the signal (130 for SIGINT, 143
-  for SIGTERM), and one line saying how to continue. Inside ``stop_requests()`` (training) the
-  first one only asks to stop: see :class:`StopRequest`.
-- torch's own run failures (a lost peer, a collective past ``--dist-timeout``, a DataLoader
-  worker that died or sent nothing for its timeout, a full disk) are torch's first line plus how
-  to continue, exit code 1. Anything else is a bug and keeps its traceback.
-- A rank started by a launcher dies with it (Linux), so a ``kill -9`` of torchrun leaves no
-  orphan training on.
+- A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2) unwinds like a KeyboardInterrupt: every
+  ``finally`` runs, nothing is left behind; exit code 128 + the signal and one line saying how
+  to continue. In training (``stop_requests()``) the first only asks to stop: :class:`StopRequest`.
+- torch's run failures (a lost peer, a collective past ``--dist-timeout``, a DataLoader worker
+  dead or silent, a full disk) are torch's first line plus how to continue, exit code 1.
+  Anything else is a bug and keeps its traceback.
+- A rank started by a launcher dies with it (Linux): a ``kill -9`` of torchrun leaves no orphans.
 """
 
 from __future__ import annotations
@@ -53,7 +50,7 @@ class ConfigError(UserError):
 
 
 def setup_logging(rank: int) -> None:
-    """One gate for chatter: rank 0 logs INFO, the other ranks only warnings and errors."""
+    """One gate for chatter: the ranks but 0 log only warnings and errors."""
     level = logging.INFO if rank == 0 else logging.WARNING
     fmt = "%(asctime)s %(message)s" if rank == 0 else f"%(asctime)s [rank {rank}] %(message)s"
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True, stream=sys.stderr)
@@ -66,12 +63,9 @@ def _env_int(*names: str) -> int:
 
 
 def die_with_launcher() -> None:
-    """Ask Linux to SIGTERM this process when its parent (torchrun, the spawn launcher) dies.
-
-    A launcher killed with SIGKILL cannot stop its ranks: they would train on as orphans and a
-    rerun would find its output folder busy. Not for a plain ``python`` run, which must outlive
-    its shell under nohup.
-    """
+    """Ask Linux to SIGTERM this process when its parent (torchrun, the spawn launcher) dies: a
+    launcher killed with SIGKILL cannot stop its ranks, and orphans would keep the output folder
+    busy. Not for a plain ``python`` run, which must outlive its shell under nohup."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -80,20 +74,28 @@ def die_with_launcher() -> None:
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """SIGINT/SIGTERM wait until the block is done (a checkpoint write), then take effect.
-
-    Interrupted half-way, ``torch.save`` leaves a broken temp file and the epoch just trained is
-    lost; a save takes a second, and every launcher waits longer than that before SIGKILL.
-    """
-    pending: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
-                for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
+def stop_signals_to(handler: Callable[[int, Any], Any]) -> Iterator[dict[int, Any]]:
+    """The stop signals go to ``handler`` (or ``SIG_DFL``) in the block, but ignored stays ignored
+    (``nohup ... &``); yields the handlers they had, which they get back after it."""
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for signum, handler_before in previous.items():
+        if handler_before is not signal.SIG_IGN:
             signal.signal(signum, handler)
+    try:
+        yield previous
+    finally:
+        for signum, handler_before in previous.items():
+            signal.signal(signum, handler_before)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Stop signals wait until the block is done (a checkpoint write), then take effect: cut
+    half-way, ``torch.save`` leaves a broken temp file and the epoch just trained is lost; a save
+    takes a second, and every launcher waits longer than that before SIGKILL."""
+    pending: list[int] = []
+    with stop_signals_to(lambda signum, frame: pending.append(signum)):
+        yield
     if pending:
         signal.raise_signal(pending[0])  # now the usual handler takes it
 
@@ -120,15 +122,11 @@ def _end_loader_workers() -> None:
 
 class StopRequest:
     """Within :func:`stop_requests`: the first stop signal a rank gets only sets :attr:`signum`;
-    training goes on to an optimizer step at which all ranks agree to stop (:meth:`poll`, after
-    every step), saves there and exits. A second signal, from half a second on, stops at once.
-
-    Often only some ranks are signalled (``kill`` of one pid, ``scancel`` of one node): every
-    rank all-reduces its flag (MAX) after each optimizer step, so all read the same answer at the
-    same step. The flag travels on the CPU (gloo, a group of its own under NCCL), so the GPU is
-    never waited for; under NCCL the answer read is the previous step's, so the host does not
-    wait for the network either: a run stops one step later there.
-    """
+    training goes on to an optimizer step at which all ranks agree to stop (:meth:`poll`), saves
+    there and exits. A second signal, from half a second on, stops at once. As often only some
+    ranks are signalled (``kill`` of one pid), every rank all-reduces its flag (MAX) after each
+    step, on the CPU (gloo; under NCCL a group of its own, whose answer is read a step later, so
+    the host waits neither for the GPU nor for the network)."""
 
     def __init__(self) -> None:
         self.signum = 0  # the first stop signal this rank got, or 0
@@ -137,7 +135,7 @@ class StopRequest:
         self._group: Any = None
         self._lag = 0  # steps between an all-reduce and reading its answer
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        self.previous: dict[int, Any] = {}
+        self.previous: dict[int, Any] = {}  # the handlers before stop_requests()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.signum:
@@ -145,17 +143,9 @@ class StopRequest:
             _received.append(signum)
             log.warning("%s: stopping after an optimizer step all ranks agree on, once it is "
                         "saved (a second signal stops at once)", signal.Signals(signum).name)
-        elif time.monotonic() - self._first_at > SAME_STOP_S:
-            self.previous[signum](signum, frame)  # stop at once, as outside training
-
-    def _all_reduce(self) -> None:
-        if self._group is None:  # the first call, at the same step on every rank
-            nccl = dist.get_backend() == "nccl"
-            self._group = dist.new_group(backend="gloo") if nccl else dist.group.WORLD
-            self._lag = 1 if nccl else 0
-        flag = torch.tensor([self.signum], dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._pending.append((work, flag))
+        elif time.monotonic() - self._first_at > SAME_STOP_S:  # stop at once, as outside training
+            handler = self.previous[signum]
+            (handler if callable(handler) else _exit_at_once)(signum, frame)
 
     def _answer(self, keep: int) -> int:
         agreed = 0
@@ -168,11 +158,17 @@ class StopRequest:
     def poll(self, lag: bool = True) -> bool:
         """Call on every rank after every optimizer step: whether to stop now, the same answer
         on every rank at the same call. ``lag=False`` (at an epoch's end): no step's delay."""
-        if dist.is_available() and dist.is_initialized():
-            self._all_reduce()
-            self.agreed = self._answer(keep=self._lag if lag else 0)
-        else:
+        if not (dist.is_available() and dist.is_initialized()):
             self.agreed = self.signum
+            return bool(self.agreed)
+        if self._group is None:  # the first call, at the same step on every rank
+            nccl = dist.get_backend() == "nccl"
+            self._group = dist.new_group(backend="gloo") if nccl else dist.group.WORLD
+            self._lag = 1 if nccl else 0
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending.append((work, flag))
+        self.agreed = self._answer(keep=self._lag if lag else 0)
         return bool(self.agreed)
 
     def stop(self) -> NoReturn:
@@ -184,17 +180,9 @@ class StopRequest:
 def stop_requests() -> Iterator[StopRequest]:
     """The block (training) takes stop signals as requests: see :class:`StopRequest`."""
     request = StopRequest()
-    for signum in STOP_SIGNALS:
-        handler = signal.getsignal(signum)
-        if handler is not signal.SIG_IGN:  # ignored stays ignored (nohup ... &)
-            request.previous[signum] = handler if callable(handler) else _exit_at_once
-            signal.signal(signum, request._on_signal)
-    try:
+    with stop_signals_to(request._on_signal) as request.previous:
         yield request
         request._answer(keep=0)  # no collective left in flight when the group goes
-    finally:
-        for signum, handler in request.previous.items():
-            signal.signal(signum, handler)
 
 
 def _exit_at_once(signum: int, frame: Any) -> None:
@@ -230,58 +218,50 @@ def _stop(code: int, message: str, *, say: bool, rank: int) -> NoReturn:
 
 def guarded(main: Callable[[Any], None], args: Any,
             rerun_hint: Callable[[], str] = lambda: "run the same command again") -> None:
-    """Run ``main(args)`` in this process with the behaviour in the module docstring.
-
-    ``rerun_hint()`` says how to continue (it is called when the run stops, so it can look at
-    what was saved by then).
-    """
+    """Run ``main(args)`` with the behaviour in the module docstring; ``rerun_hint()``, called
+    when the run stops, says how to continue (it can look at what was saved by then)."""
     rank, local_rank = _env_int("RANK", "SLURM_PROCID"), _env_int("LOCAL_RANK", "SLURM_LOCALID")
     setup_logging(rank)
     if "TORCHELASTIC_RUN_ID" in os.environ or "DDP_SPAWNED" in os.environ:
         die_with_launcher()
-    received = _received  # the first stop signal: a peer lost after it is its doing
-    received.clear()
+    _received.clear()  # the first stop signal: a peer lost after it is its doing
 
     def on_signal(signum: int, frame: Any) -> None:
-        received.append(signum)
+        _received.append(signum)
         if hasattr(signal, "SIGCHLD"):  # POSIX
             # The DataLoader workers stop too (the launcher signals them all); torch's SIGCHLD
             # handler would raise "worker killed" in the middle of the clean-up.
             signal.signal(signal.SIGCHLD, lambda *_: None)
-        raise KeyboardInterrupt(signal.Signals(received[0]).name)
+        raise KeyboardInterrupt(signal.Signals(_received[0]).name)
 
-    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    for signum, handler in previous.items():
-        if handler is not signal.SIG_IGN:  # ignored stays ignored (nohup ... &)
-            signal.signal(signum, on_signal)
-    try:
-        main(args)
-    except UserError as exc:  # every rank raises it: said once per machine
-        _stop(EXIT_USER_ERROR, f"error: {exc}", say=local_rank == 0, rank=rank)
-    except KeyboardInterrupt as exc:
-        # Ours, else the signal the ranks agreed to stop on (StopRequest.stop), else Ctrl-C.
-        name = signal.Signals(received[0]).name if received else str(exc)
-        name = name if name in signal.Signals.__members__ else "SIGINT"
-        _stop(128 + signal.Signals[name], f"interrupted by {name}; {rerun_hint()}.",
-              say=rank == 0, rank=rank)
-    except Exception as exc:
-        if received:  # a peer, or a loader worker, stopped on the same signal first
-            _stop(128 + received[0], f"interrupted by {signal.Signals(received[0]).name}; "
-                  f"{rerun_hint()}.", say=rank == 0, rank=rank)
-        if not _is_run_failure(exc):
-            raise
-        _stop(1, f"error: {_first_line(exc)} ({type(exc).__name__}); {rerun_hint()}.",
-              say=True, rank=rank)
-    finally:
-        # Free main's locals (the DDP model) while the process group lives: left to the exit,
-        # DDP's reducer can tear down gloo holding the GIL a gloo thread waits for, and the
-        # process never ends (seen with torch 2.8-2.11, gloo).
-        exc = sys.exc_info()[1]
-        while exc is not None:
-            traceback.clear_frames(exc.__traceback__)
-            exc = exc.__context__
-        gc.collect()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        for signum, handler in previous.items():  # main may run again in this process
-            signal.signal(signum, handler)
+    with stop_signals_to(on_signal):  # then as before: main may run again in this process
+        try:
+            main(args)
+        except UserError as exc:  # every rank raises it: said once per machine
+            _stop(EXIT_USER_ERROR, f"error: {exc}", say=local_rank == 0, rank=rank)
+        except KeyboardInterrupt as exc:
+            # Ours, else the signal the ranks agreed to stop on (StopRequest.stop), else Ctrl-C.
+            name = signal.Signals(_received[0]).name if _received else str(exc)
+            name = name if name in signal.Signals.__members__ else "SIGINT"
+            _stop(128 + signal.Signals[name], f"interrupted by {name}; {rerun_hint()}.",
+                  say=rank == 0, rank=rank)
+        except Exception as exc:
+            if _received:  # a peer, or a loader worker, stopped on the same signal first
+                name = signal.Signals(_received[0]).name
+                _stop(128 + _received[0], f"interrupted by {name}; {rerun_hint()}.",
+                      say=rank == 0, rank=rank)
+            if not _is_run_failure(exc):
+                raise
+            _stop(1, f"error: {_first_line(exc)} ({type(exc).__name__}); {rerun_hint()}.",
+                  say=True, rank=rank)
+        finally:
+            # Free main's locals (the DDP model) while the process group lives: left to the
+            # exit, DDP's reducer can tear down gloo holding the GIL a gloo thread waits for,
+            # and the process never ends (seen with torch 2.8-2.11, gloo).
+            exc = sys.exc_info()[1]
+            while exc is not None:
+                traceback.clear_frames(exc.__traceback__)
+                exc = exc.__context__
+            gc.collect()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()

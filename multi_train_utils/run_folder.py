@@ -19,12 +19,10 @@ RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "te
 
 
 def claim_output_dir(out: Path) -> None:
-    """Rank 0: make ``out`` and lock it for this run (``<out>/.lock``), so a second run there,
-    e.g. a rerun while orphans of a killed job still train, cannot interleave checkpoints.
-
-    The kernel drops the lock when the process dies, however it dies; the file stays open until
-    then on purpose. ``lockf``, not ``flock``: forked DataLoader workers do not inherit it.
-    """
+    """Rank 0: make ``out`` and lock it for this run (``<out>/.lock``), so a second run there (a
+    rerun while a killed job's orphans still train) cannot interleave checkpoints. The kernel
+    drops the lock when the process dies, however it dies; ``lockf``, not ``flock``, which forked
+    DataLoader workers would inherit."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -88,13 +86,11 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
         path.rename(aside / path.name)
     log.info("the earlier run's files in %s were moved to %s", out, aside)
 
-    moved = {p.name for p in found}
-
     def where_now(path: str | None) -> str | None:
         if path is None or not _absolute(path).is_relative_to(_absolute(out)):
             return path
         inside = _absolute(path).relative_to(_absolute(out))
-        return str(aside / inside) if inside.parts and inside.parts[0] in moved else path
+        return str(aside / inside) if inside.parts and out / inside.parts[0] in found else path
 
     return where_now(resume_from), where_now(weights)
 

@@ -1,12 +1,10 @@
 """Two ways to spread training over N processes: DDP replicates the model, FSDP2 shards it.
 
-``--strategy ddp`` (the default) keeps the whole model, its gradients and its optimizer state on
-every rank and all-reduces the gradients: the fastest choice whenever they fit on one device.
-``--strategy fsdp`` (FSDP2, ``torch.distributed.fsdp.fully_shard``) keeps 1/N of each on each
-rank: it all-gathers a block's parameters just before that block's forward (and again for its
-backward) and reduces its gradients to their shards, so a model whose training state does not
-fit one device trains on several. Both take the same optimizer steps (tests/test_fsdp.py); a
-checkpoint of either resumes under either (``checkpoint.py``).
+``--strategy ddp`` (the default) keeps the whole model, gradients and optimizer state on every
+rank: the fastest whenever they fit one device. ``--strategy fsdp`` (FSDP2, ``fully_shard``) keeps
+1/N of each per rank and all-gathers a block's parameters just before its forward and backward,
+so a model too big for one device trains on several. Both take the same optimizer steps; a
+checkpoint of either resumes under either.
 
     with torch.device("meta" if rank > 0 else "cpu"):             # no memory on ranks > 0
         model = build_model()
@@ -20,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,30 +42,21 @@ def check_strategy(strategy: str, world_size: int, *, compile: bool, comm_hook: 
         raise ConfigError(f"--comm-hook {comm_hook} compresses DDP's all-reduce; with "
                           "--strategy fsdp use --amp (16-bit parameters, float32 reduction).")
     if world_size == 1:
-        log.info("--strategy fsdp with one process holds the whole model: "
-                 "training as ddp does.")
+        log.info("--strategy fsdp with one process holds the whole model: training as ddp does.")
 
 
 def shard_model(model: nn.Module, device: torch.device | None = None, *,
                 mixed_precision: torch.dtype | None = None,
                 units: Sequence[type[nn.Module] | str] = RESIDUAL_BLOCKS) -> nn.Module:
-    """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is; the
-    caller's process group must be initialised). Each submodule whose class is in ``units`` (a
-    class or a class name: the residual blocks of ours and torchvision's ResNets) is one unit,
-    all-gathered alone for its forward and backward; the root holds the rest (stem, fc).
-    Returns ``model``, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards; build
-    the optimizer after this, on ``model.parameters()``.
+    """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is) and return
+    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. Each submodule whose
+    class is in ``units`` (a class or its name: ours and torchvision's residual blocks) is one
+    unit, all-gathered alone; the root holds the rest (stem, fc). Ranks but 0 may build ``model``
+    on the meta device: rank 0's real model (seed, init, ``--weights``) fills every rank's shards
+    one tensor at a time, so it must fit in rank 0's host memory, not in one device.
 
-    Every rank but 0 may build ``model`` on the meta device (``with torch.device("meta")``:
-    no memory): each rank materialises only its shards, and rank 0's real model (its seed, its
-    init, its ``--weights``) fills every rank's shards, one tensor at a time
-    (``set_model_state_dict(..., broadcast_from_rank0=True)``). So the model must fit in rank
-    0's host memory, not in one device.
-
-    ``mixed_precision`` (``--amp``): parameters are gathered and computed in that dtype and
-    gradients reduced in float32; BatchNorm keeps float32 weights (its kernels take a 16-bit
-    input only with float32 weights and statistics), one extra unit per block.
-    """
+    ``mixed_precision`` (``--amp``): parameters gathered and computed in that dtype, gradients
+    reduced in float32; BatchNorm keeps float32 weights (its kernels need them), a unit apiece."""
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -152,9 +141,8 @@ def read_shards(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def _share_buffers_for_eval(module: nn.Module, inputs: object) -> None:
     """Before an eval-mode forward, every rank takes rank 0's buffers (BatchNorm's running
-    statistics), as DDP's ``broadcast_buffers`` does: each rank scores its share of the val set
-    with the statistics that are saved. FSDP2 leaves buffers unsharded and unsynchronised; with
-    SyncBatchNorm they are equal anyway, and training-mode forwards do not read them."""
+    statistics, which FSDP2 does not synchronise), as DDP's ``broadcast_buffers`` does: each rank
+    scores its share of the val set with the statistics that are saved."""
     if not module.training:
         share_buffers(module)
 
@@ -178,7 +166,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if enabled:
         yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDPModule
+    elif is_sharded(model):
         model.set_requires_gradient_sync(False)
         try:
             yield
@@ -192,17 +180,14 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes this rank holds of the parameters, their gradients and the optimizer state
     (for FSDP the local shards of each ``DTensor``): what ``docs/strategies.md`` tabulates."""
-    def size(tensors: Iterator[torch.Tensor]) -> int:
+    def size(tensors: Iterable[torch.Tensor]) -> int:
         local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensor
         return sum(t.numel() * t.element_size() for t in local)
 
     params = list(model.parameters())
     state = [v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
              if torch.is_tensor(v) and v.dim() > 0]  # not SGD's/Adam's scalar step counts
-    return {"parameters": size(iter(params)),
+    return {"parameters": size(params),
             "gradients": size(p.grad for p in params if p.grad is not None),
-            "optimizer": size(iter(state))}
+            "optimizer": size(state)}
 
-
-__all__ = ["STRATEGIES", "check_strategy", "shard_model", "gradient_sync", "local_bytes",
-           "is_sharded", "save_shards", "load_shards", "read_shards"]

@@ -1,9 +1,7 @@
 """Synchronised BatchNorm that also runs on CPU with gloo (``torch.nn.SyncBatchNorm`` is CUDA-only).
-
 :class:`SyncBatchNormCPU` all-reduces the per-channel sum, sum of squares and count (one
-collective per layer per forward, one per backward) with an autograd function whose backward
-all-reduces the gradients, so the result equals ``nn.BatchNorm2d`` on the concatenation of every
-rank's batch - forward, backward and running statistics - whatever each rank's batch size.
+collective per layer per forward, one per backward), so forward, backward and running statistics
+equal ``nn.BatchNorm2d``'s on all ranks' batches together, whatever each rank's batch size.
 """
 
 from __future__ import annotations

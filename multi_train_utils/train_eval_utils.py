@@ -44,8 +44,7 @@ def prepare_images(images: torch.Tensor, device: torch.device, *,
         raise ValueError(f"uint8 inputs are taken as images (N, 3, H, W) to normalise, but this "
                          f"batch is {tuple(images.shape)}; convert it to float in the dataset.")
     images = images.to(device, non_blocking=True)
-    channels_last = channels_last and images.dim() == 4  # the layout exists for 4-D only
-    if channels_last:  # on the uint8 batch: a quarter of the bytes; float ops keep the layout
+    if channels_last and images.dim() == 4:  # on uint8: a quarter of the bytes; float keeps it
         images = images.contiguous(memory_format=torch.channels_last)
     if images.dtype == torch.uint8:
         mean, std = _norm_constants(device)
@@ -93,10 +92,9 @@ def _unpack(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _logits(output: Any, where: str) -> torch.Tensor:
-    """The model's output, which cross-entropy needs as logits ``(N, C)`` with C >= 2."""
+    """The output as logits ``(N, C)``: with C = 1 cross-entropy is 0 and nothing trains."""
     if not torch.is_tensor(output) or output.dim() != 2 or output.shape[1] < 2:
         got = tuple(output.shape) if torch.is_tensor(output) else type(output).__name__
-        # One logit per sample would train on a loss of 0, silently.
         raise ValueError(f"{where} needs the model to return logits (N, C) for C >= 2 classes, "
                          f"got {got}; wrap the model so it returns the logits alone, or use "
                          "2 classes for a binary task.")
@@ -116,12 +114,9 @@ def _check_probabilities(labels: torch.Tensor) -> None:
 
 def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
     """``batches`` in order, the tensors of each (a tuple or list) moved to ``device``; a batch
-    with a ``to_device(device)`` method (``device_decode.JpegBatch``) moves itself.
-
-    On CUDA the next batch's copy (asynchronous from a pinned batch, ``pin_memory=True``) or
-    decode starts on a side stream before this one is handed out, so it overlaps this step's
-    compute, which waits for an event recorded after it. Elsewhere batches pass as they come.
-    """
+    with a ``to_device(device)`` method (``device_decode.JpegBatch``) moves itself. On CUDA the
+    next batch's copy (asynchronous from a pinned batch) or decode starts on a side stream before
+    this one is handed out, so it overlaps this step's compute."""
     if device.type != "cuda":
         yield from (b.to_device(device) if hasattr(b, "to_device") else b for b in batches)
         return
@@ -156,27 +151,22 @@ def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator
 
 @dataclass
 class EpochProgress:
-    """How far an epoch got, kept up to date by :func:`train_one_epoch`: the batches trained on
-    each rank (of ``batches_in_epoch``), the samples trained over all ranks (a prefix of the
-    sampler's order), this rank's ``(loss sum, sample count)``, and whether ``after_step`` ended
-    it early. Saved mid-epoch, it lets a rerun continue at that batch (:class:`ResumableSampler`
-    deals the rest)."""
+    """How far an epoch got, kept up to date by :func:`train_one_epoch`; saved mid-epoch, it
+    lets a rerun continue at that batch (:class:`ResumableSampler` deals the rest). ``loss`` is
+    this rank's ``(loss sum, sample count)``."""
 
-    batches: int = 0
-    samples: int = 0
+    batches: int = 0  # trained on each rank, of batches_in_epoch
+    samples: int = 0  # trained over all ranks: a prefix of the sampler's order
     batches_in_epoch: int = 0
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
-    stopped: bool = False
+    stopped: bool = False  # after_step ended the epoch early
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` whose epoch can start part-way, for a run that continues a stopped
-    epoch: after ``set_epoch(epoch, skip=k)`` it deals out only what follows the first ``k``
-    samples of that epoch's order, and skips those as indices (none is read or decoded). The
-    order (the seed's and epoch's permutation) depends on neither the rank nor the world size,
-    so the rest can go to another number of ranks: round-robin as the whole epoch would, padded
-    (or cut, ``drop_last``) to equal shares as ``DistributedSampler`` does. With the same world
-    size each rank gets exactly the rest of what it would have had."""
+    """``DistributedSampler`` whose epoch can start part-way: after ``set_epoch(epoch, skip=k)``
+    it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
+    order is the same at any world size, so the rest can go to another number of ranks, dealt as
+    ``DistributedSampler`` does; with the same world size each rank gets the rest of its own."""
 
     skip = 0
 
@@ -221,18 +211,15 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                     channels_last: bool = False, progress: EpochProgress | None = None,
                     after_step: Callable[[EpochProgress], bool] | None = None) -> float:
     """One pass over ``data_loader``; returns the mean cross-entropy over every rank's samples.
-
-    The model maps ``(N, ...)`` to logits ``(N, C)``. ``grad_accum_steps`` K: the optimizer
-    steps every K batches (and after the last) on their mean gradient; DDP skips its all-reduce
-    on the other K-1 (``gradient_sync``: DDP's ``no_sync`` or FSDP's
-    ``set_requires_gradient_sync``). Progress: tqdm on rank 0 in a terminal, else (SLURM, nohup)
-    a log line every ``print_freq`` steps. A non-finite loss raises on every rank.
-
-    ``progress`` (updated in place) continues a stopped epoch: the loader then deals only its
-    rest. ``after_step(progress)`` runs on every rank after each optimizer step but the epoch's
-    last; when it returns True the epoch ends there, with ``progress.stopped`` set."""
+    The model maps ``(N, ...)`` to logits ``(N, C)``. ``grad_accum_steps`` K: the optimizer steps
+    every K batches (and after the last) on their mean gradient, reduced only then. Progress:
+    tqdm on rank 0 in a terminal, else a log line every ``print_freq`` steps. A non-finite loss
+    raises on every rank. ``progress`` (updated in place) continues a stopped epoch, whose rest
+    the loader deals; when ``after_step(progress)``, called after each optimizer step but the
+    last, returns True, the epoch ends there with ``progress.stopped`` set."""
     steps = _batches(data_loader, grad_accum_steps, print_freq)
     progress = progress if progress is not None else EpochProgress()
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(enabled=False)  # no-ops
     first, samples, world = progress.batches, progress.samples, get_world_size()
     progress.batches_in_epoch = first + steps
     progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
@@ -241,7 +228,6 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     mean_loss = _mean_loss(totals, epoch, first, print_freq) if steps == 0 else float("nan")
     optimizer.zero_grad(set_to_none=True)
     bar = is_main_process() and sys.stdout.isatty()
-    # On CUDA the next batch is copied while this one trains.
     batches = tqdm(prefetch_to_device(data_loader, device), total=first + steps, initial=first,
                    file=sys.stdout, disable=not bar, desc=f"[train epoch {epoch}]",
                    dynamic_ncols=True)
@@ -265,7 +251,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             # Mean over the micro-batches of this step; the epoch's last group may be shorter
             # than K, and a fixed / K would shrink its step.
             scaled = loss / min(grad_accum_steps, steps - (step - step % grad_accum_steps))
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            scaler.scale(scaled).backward()
         totals += torch.stack([loss.detach().double() * n_valid, n_valid.double()])
         if last_micro:
             _optimizer_step(model, optimizer, scaler, clip_grad_norm)
@@ -311,30 +297,31 @@ def _forward(model: nn.Module, images: torch.Tensor) -> Any:
 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scaler: torch.amp.GradScaler | None, clip_grad_norm: float | None) -> None:
+                    scaler: torch.amp.GradScaler, clip_grad_norm: float | None) -> None:
     if clip_grad_norm is not None:
-        if scaler is not None:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-    if scaler is not None:
-        scaler.step(optimizer)  # skipped where fp16 gradients overflowed
-        scaler.update()
-    else:
-        optimizer.step()
+    scaler.step(optimizer)  # skipped where fp16 gradients overflowed
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
 
 class EvalResult(int):
     """The number of correct top-1 predictions over all ranks, each val sample counted once: an
     ``int``, so the classic ``evaluate(...) / len(val_set)`` works. The exact figures ride along:
-    ``top1``/``top5``/``loss`` over ``num_samples`` (without samples labelled -100) and
-    ``confusion`` ``(C, C)`` (rows: true class, columns: predicted)."""
+    ``top1``/``top5``/``loss`` over ``num_samples`` (without samples labelled -100),
+    ``confusion`` ``(C, C)`` (rows: true class, columns: predicted), ``per_class_acc`` (recall)."""
 
     def __new__(cls, correct: int, *, top5_correct: int, num_samples: int, loss_sum: float,
                 confusion: torch.Tensor) -> EvalResult:
         obj = super().__new__(cls, correct)
-        obj.top5_correct, obj.num_samples, obj.confusion = top5_correct, num_samples, confusion
+        obj.correct, obj.top5_correct, obj.num_samples = int(obj), top5_correct, num_samples
+        obj.confusion = confusion
+        obj.top1 = obj.correct / num_samples if num_samples else float("nan")
+        # None with 5 classes or fewer, where it is always 1.
+        obj.top5 = top5_correct / num_samples if num_samples and len(confusion) > 5 else None
         obj.loss = loss_sum / num_samples if num_samples else float("nan")
+        obj.per_class_acc = (confusion.diagonal() / confusion.sum(1).clamp(min=1)).tolist()
         return obj
 
     def __getnewargs_ex__(self) -> tuple[tuple[int], dict[str, Any]]:
@@ -342,31 +329,11 @@ class EvalResult(int):
         return (int(self),), dict(top5_correct=self.top5_correct, num_samples=self.num_samples,
                                   loss_sum=self.loss * self.num_samples, confusion=self.confusion)
 
-    @property
-    def correct(self) -> int:
-        return int(self)
-
-    @property
-    def top1(self) -> float:
-        return int(self) / self.num_samples if self.num_samples else float("nan")
-
-    @property
-    def top5(self) -> float | None:
-        """Top-5 accuracy, or None with 5 classes or fewer (where it is always 1)."""
-        if self.confusion.shape[0] <= 5 or not self.num_samples:
-            return None
-        return self.top5_correct / self.num_samples
-
-    @property
-    def per_class_acc(self) -> list[float]:  # recall: the diagonal over the row sums
-        return (self.confusion.diagonal() / self.confusion.sum(1).clamp(min=1)).tolist()
-
 
 def _val_sampler(data_loader: DataLoader) -> DistributedSampler | None:
     """The loader's DistributedSampler, if any, once its set-up is checked."""
-    sampler = data_loader.sampler
-    if isinstance(data_loader.batch_sampler, BatchSampler):
-        sampler = data_loader.batch_sampler.sampler
+    batches = data_loader.batch_sampler
+    sampler = batches.sampler if isinstance(batches, BatchSampler) else data_loader.sampler
     sampler = sampler if isinstance(sampler, DistributedSampler) else None
     if sampler is not None and not getattr(data_loader, "in_order", True):
         raise ValueError("evaluate needs the val loader's batches in the sampler's order, to tell "
@@ -376,7 +343,7 @@ def _val_sampler(data_loader: DataLoader) -> DistributedSampler | None:
                     "whole val set and each sample counts %d times; give it "
                     "DistributedSampler(val_set, shuffle=False).", get_world_size())
     if is_main_process() and (getattr(sampler, "drop_last", False)
-                              or getattr(data_loader.batch_sampler, "drop_last", False)):
+                              or getattr(batches, "drop_last", False)):
         log.warning("evaluate: the val loader or its DistributedSampler has drop_last=True, so "
                     "some val samples are never scored; build both with drop_last=False.")
     return sampler
@@ -385,13 +352,9 @@ def _val_sampler(data_loader: DataLoader) -> DistributedSampler | None:
 @torch.no_grad()
 def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
              amp_dtype: torch.dtype | None = None, channels_last: bool = False) -> EvalResult:
-    """Exact top-1/top-5/loss/confusion over the whole val set, however it is split across ranks.
-
-    ``DistributedSampler`` pads each rank's share with repeats so all ranks take the same steps.
-    In its padded order the sample at position ``p`` (rank ``p % W`` holds it) is a repeat iff
-    ``p >= len(dataset)``, so each rank masks its repeats by position, with no extra gather (as
-    accelerate's ``gather_for_metrics`` drops them).
-    """
+    """Exact top-1/top-5/loss/confusion over the whole val set, however it is split across ranks:
+    in ``DistributedSampler``'s padded order the sample at position ``p`` (on rank ``p % W``) is a
+    repeat iff ``p >= len(dataset)``, so each rank masks its repeats with no extra gather."""
     model.eval()
     sampler = _val_sampler(data_loader)
     world, rank = (sampler.num_replicas, sampler.rank) if sampler is not None else (1, 0)

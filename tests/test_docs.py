@@ -91,6 +91,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "docker": (r"docker", lambda: {"--shm-size", "--ipc", "--init", "--cpus", "--gpus"}),
     "tensorboard": (r"tensorboard", lambda: {"--logdir"}),
     "git": (r"git", lambda: {"--always", "--dirty"}),
+    "pytest": (r"pytest", lambda: {"--durations"}),
 }
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
 

@@ -224,8 +224,9 @@ def _build_memory_worker(rank: int, world: int, meta: bool) -> dict:
 def test_ranks_but_0_build_on_the_meta_device_and_hold_only_their_shards(tmp_path):
     """Rank 1's peak memory while the model is built and sharded: its half, not the whole."""
     model_bytes = 128 * 1024 * 1024 * 4
-    on_meta = run_ranks(_build_memory_worker, 2, tmp_path / "meta", True)
-    everywhere = run_ranks(_build_memory_worker, 2, tmp_path / "whole", False)  # the old way
+    on_meta = run_ranks(_build_memory_worker, 2, tmp_path / "meta", True, start_method="spawn")
+    everywhere = run_ranks(_build_memory_worker, 2, tmp_path / "whole", False,  # the old way
+                           start_method="spawn")
     assert on_meta[1]["growth"] < 0.6 * model_bytes, on_meta[1]["growth"] / model_bytes
     # The old way: the whole model (less a few MB the allocator had free from the warm-up).
     assert everywhere[1]["growth"] >= 0.95 * model_bytes, everywhere[1]["growth"] / model_bytes
