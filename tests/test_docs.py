@@ -65,6 +65,13 @@ def _figures_parser() -> set[str]:
     return _module_parser("benchmarks.figures")()
 
 
+def _torchrun_flags() -> set[str]:
+    # Flags the docs name with the torch version that added them (torch 2.13 has them, the floor
+    # 2.9 does not): a suite run under the floor checks the rest.
+    newer = {"--shutdown-timeout", "--signals-to-handle"}
+    return _module_parser("torch.distributed.run")() | newer
+
+
 def _legacy_launch_flags() -> set[str]:
     # torch.distributed.launch's parse_args() adds --use-env to what its get_args_parser() has.
     return _module_parser("torch.distributed.launch")() | {"--use-env", "--use_env"}
@@ -79,7 +86,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "benchmark": (BENCHMARK[0], _module_parser(BENCHMARK[1])),
     "example": (r"example_own_project\.py", _module_parser("example_own_project")),
     "figures": (r"benchmarks\.figures", _figures_parser),
-    "torchrun": (r"torchrun|torch\.distributed\.run", _module_parser("torch.distributed.run")),
+    "torchrun": (r"torchrun|torch\.distributed\.run", _torchrun_flags),
     "legacy launch": (r"torch\.distributed\.launch", _legacy_launch_flags),
     # Tools we cannot import: the flags the docs may name.
     "srun": (r"srun", lambda: {"--kill-on-bad-exit", "--gpus-per-task", "--ntasks",
