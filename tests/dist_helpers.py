@@ -23,20 +23,17 @@ from multi_train_utils.distributed_utils import find_free_port
 COLLECTIVE_TIMEOUT_S = 90
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, out_dir: Path, *args: Any,
-              start_method: str = "fork") -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, out_dir: Path, *args: Any) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``.
 
     Each call runs in its own process, inside a gloo process group of ``world_size`` ranks on a
     free localhost port. A rank that raises makes this raise (with the rank's traceback).
-    ``start_method="spawn"`` for a process that measures its memory: a forked one would reuse
-    the pages pytest's process had freed, already resident, and its growth would read low.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = find_free_port()
     mp.start_processes(_worker, args=(fn, world_size, port, str(out_dir), args),
-                       nprocs=world_size, join=True, start_method=start_method)
+                       nprocs=world_size, join=True, start_method="fork")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
             for rank in range(world_size)]
 
