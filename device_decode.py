@@ -109,13 +109,15 @@ class JpegBatch(NamedTuple):
             raise
         except Exception:  # one bad file fails the call: image by image, as the workers decode
             decoded = [_decode_on_cpu(parts[i], self.sources[i], device) for i in jpegs]
-        images = [x.to(device, non_blocking=True) if x.dim() == 3 else decoded.pop(0)
+        decoded = iter(decoded)
+        images = [x.to(device, non_blocking=True) if x.dim() == 3 else next(decoded)
                   for x in parts]
-        failed = torch.tensor([x is None for x in images])  # ignored by the loss and evaluate
-        labels = self.labels.masked_fill(failed, IGNORE_INDEX) if failed.any() else self.labels
-        black = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device) if failed.any() else None
-        out = torch.stack([_augment(black if x is None else x, plan)
-                           for x, plan in zip(images, self.plans)])
+        failed = [x is None for x in images]  # ignored by the loss and evaluate
+        labels = self.labels.masked_fill(torch.tensor(failed), IGNORE_INDEX)
+        # An unreadable file: black, of the size its plan's crop box was drawn in.
+        out = torch.stack([_augment(x if x is not None else torch.zeros(
+            3, plan.box[0] + plan.box[2], plan.box[1] + plan.box[3], dtype=torch.uint8,
+            device=device), plan) for x, plan in zip(images, self.plans)])
         return out.round_().to(torch.uint8), labels.to(device, non_blocking=True)
 
 

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,12 +77,8 @@ def load_file(path: str | os.PathLike) -> Any:
         what = "is a folder; give a file in it" if os.path.isdir(path) else "does not exist"
         raise CheckpointError(f"{path} {what}.")
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:  # a file in torch's legacy format cannot be mapped
-            if "mmap" not in str(exc):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True,
+                         mmap=zipfile.is_zipfile(path))  # a legacy (not zip) file: no mmap
         if isinstance(obj, dict) and isinstance(obj.get("shards"), str):
             obj["shards"] = str(Path(path).parent / obj["shards"])
         return obj
@@ -186,12 +183,18 @@ def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer
     CPU of rank 0 (the others get ``{}``): the same under DDP and FSDP, at any world size. Every
     rank must call it (FSDP gathers the shards). On a CPU run the tensors are the live ones."""
     # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     model, options = unwrap(model), StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (get_model_state_dict(model, options=options),
-            get_optimizer_state_dict(model, optimizer, options=options))
+    return whole_weights(model), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model half of :func:`whole_state`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(unwrap(model), options=options)
 
 
 def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -209,11 +212,11 @@ def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
-def _prune_shards(out: Path, keep_last: int) -> None:
-    """Rank 0, after a save: remove the shard folders nothing needs, all but those
-    ``checkpoint.pth`` and ``model_best.pth`` name and the newest ``keep_last`` complete ones."""
-    named = {Path(load_file(out / f)["shards"]).name for f in ("checkpoint.pth", "model_best.pth")
-             if (out / f).is_file()}
+def _prune_shards(out: Path, current: str, keep_last: int) -> None:
+    """Rank 0, after a save: remove the shard folders but ``current`` (the save's), the best's
+    (if ``model_best.pth`` is sharded) and the newest ``keep_last`` complete ones."""
+    best = load_file(out / "model_best.pth") if (out / "model_best.pth").is_file() else {}
+    named = {Path(folder).name for folder in (current, best.get("shards")) if folder}
     epochs = sorted((p for p in (out / "shards").iterdir()
                      if re.fullmatch(r"epoch-\d+", p.name) and (p / ".metadata").is_file()),
                     key=lambda p: int(p.name[6:]))
@@ -226,15 +229,13 @@ def _prune_shards(out: Path, keep_last: int) -> None:
 def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
     """The final FSDP save: the last model, gathered a tensor at a time to rank 0's CPU, and the
     best one, read from its shards, as ``weights/model-N.pth`` (torchvision's format)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    last = get_model_state_dict(unwrap(model), options=options)  # {} on the other ranks
+    last = whole_weights(model)  # {} on the other ranks
     if is_main_process():
         save_atomic(last, out / "weights" / f"model-{epoch}.pth")
-        best = load_file(out / "model_best.pth")
+        best = load_file(path := out / "model_best.pth")  # sharded, or saved under ddp
         if best["epoch"] != epoch:
-            save_atomic(read_shards(best["shards"]), out / "weights" / f"model-{best['epoch']}.pth")
+            save_atomic(extract_state_dict(best, path),
+                        out / "weights" / f"model-{best['epoch']}.pth")
 
 
 def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -329,7 +330,7 @@ def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_b
         save_atomic(state, out / "model_best.pth")
     save_atomic(state, out / "checkpoint.pth")
     if "shards" in state:
-        _prune_shards(out, keep_last)
+        _prune_shards(out, state["shards"], keep_last)
     if record is None:
         return
     with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:

@@ -171,6 +171,18 @@ def test_a_file_the_decoder_fails_on_falls_back_image_by_image_and_is_listed(tmp
     assert f"skipping {bad}: not a readable image at load time" in caplog.text
 
 
+def test_a_file_the_decoder_fails_on_is_black_under_the_training_crop_too(tmp_path):
+    good = write_jpeg(tmp_path / "0.jpg", 0, (40, 30))
+    bad = str(jpeg_without_scan(good, tmp_path / "no-scan.jpg"))
+    dataset = MyDataSet([bad] * 4, [1] * 4, get_transforms(16, "device")["train"])
+    torch.manual_seed(0)  # crop boxes away from the top left corner
+    batch = MyDataSet.collate_fn([dataset[i] for i in range(4)])
+    assert any(plan.box[:2] != (0, 0) for plan in batch.plans)
+    images, labels = batch.to_device(CPU)
+    assert images.shape == (4, 3, 16, 16) and images.max() == 0
+    assert labels.tolist() == [IGNORE_INDEX] * 4
+
+
 # ---------------------------------------------------------------- which decoder
 def test_torchcodec_decodes_where_installed_and_pil_where_no_library_does(mixed, monkeypatch):
     """TorchCodec is not installed here: its ``decode_jpeg`` is faked by torchvision's, called

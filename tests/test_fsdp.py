@@ -39,7 +39,9 @@ from conftest import (LAUNCH, SPAWN, ProcessTree, assert_same_tensors, assert_us
                       torchrun_cmd)
 from dist_helpers import run_ranks
 from model import Bottleneck, ResNet, get_model
-from multi_train_utils.checkpoint import extract_state_dict, load_file, whole_state
+from multi_train_utils.checkpoint import (_prune_shards, extract_state_dict, load_file,
+                                          save_atomic, whole_state)
+from multi_train_utils.run_folder import move_earlier_run
 from multi_train_utils.strategy import (RESIDUAL_BLOCKS, gradient_sync, load_shards, local_bytes,
                                         read_shards, save_shards, shard_model)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
@@ -297,6 +299,24 @@ def test_each_rank_writes_its_half_and_rank_0_gathers_nothing(tmp_path):
     sizes = [(folder / f"__{rank}_0.distcp").stat().st_size for rank in (0, 1)]
     assert all(0.45 < size / state_bytes < 0.55 for size in sizes), sizes
     assert got[0]["growth"] < 0.6 * state_bytes, got[0]["growth"] / state_bytes
+
+
+def test_pruning_and_moving_a_run_keep_its_shards_with_the_files_naming_them(tmp_path):
+    """model_best.pth of a ddp checkpoint continued under fsdp names no shards; a fresh run in
+    the folder moves the shards aside with the checkpoints."""
+    out = tmp_path / "run"
+    for tag in ("epoch-0", "epoch-1", "epoch-2"):
+        (out / "shards" / tag).mkdir(parents=True)
+        (out / "shards" / tag / ".metadata").write_bytes(b"")
+    save_atomic({"epoch": 0, "model": {"w": torch.zeros(1)}}, out / "model_best.pth")  # ddp's
+    save_atomic({"epoch": 2, "shards": "shards/epoch-2"}, out / "checkpoint.pth")
+    _prune_shards(out, "shards/epoch-2", keep_last=1)
+    assert [p.name for p in (out / "shards").iterdir()] == ["epoch-2"]
+    move_earlier_run(out)
+    (aside,) = (out / "previous-runs").iterdir()
+    assert not (out / "shards").exists()
+    assert load_file(aside / "checkpoint.pth")["shards"] == str(aside / "shards" / "epoch-2")
+    assert (aside / "shards" / "epoch-2" / ".metadata").is_file()
 
 
 def _units_worker(rank: int, world: int) -> dict:
