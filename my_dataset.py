@@ -80,8 +80,9 @@ def load_image_tensor(path: str) -> torch.Tensor:
     """The image at ``path`` as ``uint8 (3, H, W)`` RGB, EXIF-oriented. Only JPEG goes through
     :func:`decode_jpegs`: torchvision's PNG decoder kills the process on damaged data (vision#3613),
     decodes all of an animated GIF and ignores WebP's EXIF orientation, unlike PIL."""
-    with open(path, "rb") as f:
-        data = f.read()
+    with open(path, "rb") as f:  # the rest only for a JPEG: PIL opens other formats itself
+        data = f.read(len(_JPEG_START))
+        data += f.read() if data == _JPEG_START else b""
     if data.startswith(_JPEG_START) and (codec_decode_jpeg or decode_jpeg) is not None:
         try:
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -227,7 +227,7 @@ def split_train_val(scan: FolderScan, val_rate: float, seed: int,
     adding files or moving the root moves no other file across. A class of two or more keeps one
     on each side; with ``val_scan`` (``--val-path``) all of ``scan`` trains."""
     if val_scan is not None:
-        return (*split_train_val(scan, 0.0, seed)[:2],
+        return (*label_by_class_name(scan.classes, scan),  # all of it, unhashed
                 *label_by_class_name(scan.classes, val_scan))
     if not 0 <= val_rate <= 1:
         raise DataError(f"--val-rate {val_rate} must be between 0 and 1.")

@@ -142,9 +142,12 @@ def read_shards(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _share_buffers_for_eval(module: nn.Module, inputs: object) -> None:
     """Before an eval-mode forward, every rank takes rank 0's buffers (BatchNorm's running
     statistics, which FSDP2 does not synchronise), as DDP's ``broadcast_buffers`` does: each rank
-    scores its share of the val set with the statistics that are saved."""
-    if not module.training:
+    scores its share of the val set with the saved statistics; once per evaluation."""
+    if module.training:
+        module.buffers_shared = False
+    elif not getattr(module, "buffers_shared", False):
         share_buffers(module)
+        module.buffers_shared = True
 
 
 def share_buffers(module: nn.Module) -> None:
