@@ -25,8 +25,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from model import MODELS, freeze_backbone, get_model
-from multi_train_utils.checkpoint import (load_checkpoint, load_pretrained, restore,
-                                          save_checkpoint, step_saves)
+from multi_train_utils.checkpoint import (load_checkpoint, load_pretrained, recorded_defaults,
+                                          restore, save_checkpoint, step_saves)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
                                                  cleanup, cpus_per_process, init_distributed_mode,
                                                  register_comm_hook, run_on_main)
@@ -35,14 +35,16 @@ from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, re
                                           resume_path, write_metrics)
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
-                                               format_report, resolve_amp_dtype, train_one_epoch)
+from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, cosine_schedule,
+                                               evaluate, format_report, resolve_amp_dtype,
+                                               train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
 from utils import (BoolFlag, HelpFormatter, default_demo_root, epoch_record, get_transforms,
                    log_epoch, make_demo_data, number, path_flag, scan_image_folder,
                    split_train_val, tensorboard_writer, write_json_atomic, write_scan_files)
 
 log = logging.getLogger("train")
+RUN_DEFAULTS = {"model": "resnet34", "img_size": 224}  # unless the run resumed had others
 
 
 def main(args: argparse.Namespace) -> None:
@@ -59,9 +61,11 @@ def main(args: argparse.Namespace) -> None:
     if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
         run_on_main(claim_output_dir, out)
         ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
+    args = recorded_defaults(args, ckpt_path or weights, RUN_DEFAULTS)  # the run's, if any
 
     # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
-    root = args.data_path or str(make_demo_data(args.demo_dir or default_demo_root()))
+    root = args.data_path or (args.eval_only and args.val_path) or str(make_demo_data(
+        args.demo_dir or default_demo_root()))  # --eval-only --val-path: that folder alone
     scan = run_on_main(scan_image_folder, root, verify=args.verify_images, reuse=out).rebased(root)
     classes = scan.classes
     if args.num_classes not in (None, len(classes)):  # the class folders decide; say a mismatch
@@ -127,9 +131,7 @@ def main(args: argparse.Namespace) -> None:
     params = [p for p in model_without_ddp.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    def cosine(epoch: int) -> float:  # from lr to lr x lrf over the run (SGDR, arXiv:1608.03983)
-        return (1 + math.cos(epoch * math.pi / args.epochs)) / 2 * (1 - args.lrf) + args.lrf
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine)
+    scheduler = cosine_schedule(optimizer, args.epochs, args.lrf)  # a LambdaLR, once per epoch
 
     # 5. Resume: weights, optimizer, RNG, the schedule's place and the epoch's (its next batch).
     start_epoch, best_acc, best_loss, history, progress = 0, 0.0, math.inf, [], EpochProgress()
@@ -231,7 +233,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--demo-dir", type=path_flag, help="where the demo data is generated")
     group.add_argument("--val-rate", type=fraction, default=0.2, help="held out per class")
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
-    group.add_argument("--img-size", type=count, default=224, help="training crop size")
+    group.add_argument("--img-size", type=count, help="crop size (default: the run's, or 224)")
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
     group.add_argument("--workers", type=number(int, 0), help="per process (GPU: CPUs-1, CPU: <=8)")
@@ -240,7 +242,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--verify-images", action=BoolFlag, default=False,
                        help="read every image's header before training (else the loader skips)")
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="network")
+    group.add_argument("--model", choices=sorted(MODELS), help="(default: the run's, or resnet34)")
     group.add_argument("--weights", type=path_flag, help="initial weights (what fits is loaded)")
     group.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
                        help="train only the classifier (fc)")

@@ -33,9 +33,12 @@ from .strategy import is_sharded, load_shards, read_shards, save_shards
 from .train_eval_utils import EpochProgress
 
 log = logging.getLogger("train")
-# Flags a resume must keep: another value would put some validation images into training, or
-# change which parameters the optimizer state belongs to.
-MUST_MATCH = ("model", "seed", "val_rate", "freeze_layers")
+# A continued run compares every flag the checkpoint recorded with its own (the table is in
+# docs/resume-and-restarts.md). These are refused: another value would put validation images
+# into training (the split), or the saved state would not fit (the parameters, their training).
+# Where the run is kept is not compared; every other change applies from the resumed step.
+REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights")
+NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
 
 
 class CheckpointError(UserError):
@@ -157,24 +160,59 @@ def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:
         if "shards" in ckpt and not os.path.isfile(os.path.join(ckpt["shards"], ".metadata")):
             raise CheckpointError(f"{path} names the shards {ckpt['shards']}, which are not "
                                   "there (complete); copy the whole run folder.")
-        saved = ckpt.get("args", {})
-        keys = ("model",) if args.eval_only else MUST_MATCH  # evaluation trains nothing
-        differ = [f"--{k.replace('_', '-')} {saved[k]} (not {getattr(args, k)})"
-                  for k in keys if k in saved and saved[k] != getattr(args, k)]
-        if not args.eval_only and bool(saved.get("val_path")) != bool(args.val_path):
-            differ.append("--val-path given to only one of the two runs")
+        refused, ckpt["changed_flags"] = ([], []) if args.eval_only else changed_flags(
+            ckpt.get("args", {}), args)  # evaluation trains nothing: recorded_defaults checks
         if ckpt.get("classes", classes) != classes:
-            differ.append(f"the classes {ckpt['classes']} (not {classes})")
-        if differ:
-            raise CheckpointError(f"{path} was trained with {'; '.join(differ)}, so this run "
-                                  "cannot continue it; use the same, or another --output-dir "
-                                  "(or --resume none).")
+            refused.append(f"the classes {classes} (the run had {ckpt['classes']})")
+        if refused:
+            raise CheckpointError(f"{path} cannot be continued with {', '.join(refused)}; give "
+                                  "the run's values to continue it, or start a new run with "
+                                  "--resume none or another --output-dir.")
     except UserError as exc:
         problem = exc
     if not all_ranks_ok(problem is None):
         raise problem or CheckpointError(f"another process of the run could not use {path}; "
                                          "every machine needs a readable copy.")
     return ckpt
+
+
+def recorded_defaults(args: Any, path: str | None, defaults: dict[str, Any]) -> Any:
+    """``args`` with each of ``defaults``' flags that was not given taken from the run that made
+    ``path`` (a checkpoint, or weights it saved), else from ``defaults``. ``--eval-only``
+    refuses a given flag the file contradicts (a model scored at another size is misjudged)."""
+    try:
+        saved = load_file(path).get("args", {}) if path else {}
+    except (CheckpointError, AttributeError):  # not there or not ours: said where it is used
+        saved = {}
+    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
+    if args.eval_only and (differ := [f"--{k.replace('_', '-')} {v} (it has {saved[k]})"
+                                      for k, v in given.items() if saved.get(k, v) != v]):
+        raise CheckpointError(f"{path} was trained with other flags than {', '.join(differ)}; "
+                              "drop them: --eval-only takes them from the file.")
+    recorded = {k: saved[k] for k in defaults if k in saved}
+    return type(args)(**{**vars(args), **defaults, **recorded, **given})
+
+
+def changed_flags(saved: dict[str, Any], args: Any) -> tuple[list[str], list[str]]:
+    """The flags of ``args`` whose values differ from the run's ``saved`` ones, as ``--lr 0.05
+    (the run had 0.01)``: (refused, applied)."""
+    def flag(key: str, value: Any, bare: bool = False) -> str:
+        name = key.replace("_", "-")
+        if value is None:
+            return f"no --{name}"
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no-{name}"
+        return str(value) if bare else f"--{name} {value}"
+
+    refused, applied = [], []
+    for key, value in sorted(vars(args).items()):
+        if key in NOT_COMPARED or key not in saved or saved[key] == value:
+            continue
+        # --val-path given to only one run moves images between training and validation.
+        split = key in REFUSED or key == "val_path" and None in (value, saved[key])
+        (refused if split else applied).append(
+            f"{flag(key, value)} (the run had {flag(key, saved[key], bare=True)})")
+    return refused, applied
 
 
 def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer
@@ -232,7 +270,9 @@ def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
     last = whole_weights(model)  # {} on the other ranks
     if is_main_process():
         save_atomic(last, out / "weights" / f"model-{epoch}.pth")
-        best = load_file(path := out / "model_best.pth")  # sharded, or saved under ddp
+        if not (path := out / "model_best.pth").is_file():  # no validation images, no best
+            return
+        best = load_file(path)  # sharded, or saved under ddp
         if best["epoch"] != epoch:
             save_atomic(extract_state_dict(best, path),
                         out / "weights" / f"model-{best['epoch']}.pth")
@@ -245,8 +285,11 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
     schedule at the next epoch, or at the epoch a stop interrupted. Returns (start epoch, best
     acc, best val loss, metrics so far, the start epoch's progress: none, or where it stopped).
-    The schedule is laid out anew (more ``--epochs``: the longer cosine); if the images per
-    optimizer step changed, the lr is scaled by the same factor (linear scaling, 1706.02677)."""
+    The schedule is laid out anew (more ``--epochs``: the longer cosine) and the optimizer's
+    settings (lr, momentum, ...) are this run's, as for a new run with its flags and world size;
+    its state (momentum buffers) is the checkpoint's."""
+    command = [{k: v for k, v in group.items() if k != "params"}
+               for group in optimizer.param_groups]
     try:
         if "shards" in ckpt:
             load_shards(ckpt["shards"], model, optimizer)
@@ -271,14 +314,15 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
             log.info("resuming from epoch %d, step %d of %d%s", start, part["batches"],
                      part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
                      f"of its samples go to these {get_world_size()}" if moved else "")
-    factor = images_per_step / saved.get("images_per_step", images_per_step)
-    factor = factor if saved.get("scale_lr", True) else 1.0
-    if factor != 1 and rank == 0:
-        log.warning("the checkpoint was trained with %s images per optimizer step, this run "
-                    "has %d: the learning rate is scaled by %.4g", saved["images_per_step"],
-                    images_per_step, factor)
-    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"] *= factor
+    changed = ckpt.get("changed_flags", [])
+    if saved.get("images_per_step", images_per_step) != images_per_step:
+        changed.append(f"{images_per_step} images per step (the run had "
+                       f"{saved['images_per_step']}), lr {command[0]['initial_lr']:.4g}")
+    if changed and rank == 0:
+        log.warning("%s: applied from epoch %d%s", ", ".join(changed), start,
+                    f", step {part['batches']}" if part else "")
+    for group, hyper, lr_lambda in zip(optimizer.param_groups, command, scheduler.lr_lambdas):
+        group.update(hyper)  # initial_lr: the lr this run's flags give (LambdaLR's base)
         group["lr"] = group["initial_lr"] * lr_lambda(start)
     scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
     scheduler.last_epoch = start
@@ -319,6 +363,9 @@ def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimize
             _write(out, state, record, is_best, keep_last)
         if final and "shards" in state:
             _export_weights(out, model, state["epoch"])
+        if final and is_main_process() and not (out / "model_best.pth").is_file():
+            log.info("no validation images, so no best model: %s holds the last epoch's "
+                     "weights", out / "weights" / f"model-{state['epoch']}.pth")
 
 
 def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_best: bool,

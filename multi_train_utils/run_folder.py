@@ -49,11 +49,11 @@ def resume_path(resume: str, out: Path, eval_weights: bool = False) -> str | Non
     ``eval_weights``: ``--eval-only --weights FILE`` scores that file, not the folder's run."""
     if eval_weights and resume == "auto":
         return None
-    if resume == "none":
-        # A restart by torchrun (--max-restarts) continues what this launch began.
-        resume = "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 else "none"
-    if resume == "auto":
-        return str(out / "checkpoint.pth") if (out / "checkpoint.pth").is_file() else None
+    # A restart by torchrun (--max-restarts) continues what this launch began and saved, whatever
+    # --resume says: going back to --resume PATH would train its epochs again.
+    own = (out / "checkpoint.pth").is_file()
+    if resume == "auto" or own and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return str(out / "checkpoint.pth") if own else None
     return None if resume == "none" else resume
 
 
@@ -74,7 +74,9 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     to ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run.
     Returns the ``--resume`` checkpoint and the ``--weights`` file where they are now: one that
     was among the files moved (``--resume <out>/model_best.pth``) is read from its new place."""
-    if resume_from and _absolute(resume_from) == _absolute(out / "checkpoint.pth"):
+    own = out / "checkpoint.pth"
+    if resume_from and os.path.isfile(resume_from) and own.is_file() and os.path.samefile(
+            resume_from, own):  # the same file, through a link too (runs/latest -> runs/a)
         return resume_from, weights  # this run goes on: nothing moves
     found = [out / name for name in RUN_FILES if (out / name).exists()]
     if not any(p.name in ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl")

@@ -419,3 +419,12 @@ def format_report(result: EvalResult, classes: list[str]) -> str:
         lines.append(f"top-5 accuracy: {result.top5:.4f}")
     lines.append(f"val loss: {result.loss:.4f}")
     return "\n".join(lines)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, epochs: int, lrf: float
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr from its value to ``lr x lrf`` over ``epochs`` on a half cosine (SGDR,
+    arXiv:1608.03983), stepped once per epoch."""
+    def cosine(epoch: int) -> float:
+        return (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine)

@@ -1,0 +1,179 @@
+"""The same command continues the same run, and only that run: what changed between a stop and
+the rerun (a flag, a link, a restart) is applied and said once, or refused in one line.
+
+Cases that run training reuse ``reference_run`` (conftest): 3 epochs on 2 processes, cloned
+into a folder of their own, then continued in one process (``plain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import (LAUNCH, ROOT, TINY_FLAGS, assert_user_error, clone_run, flags, load_ckpt,
+                      read_metrics, run, torchrun_cmd)
+from multi_train_utils.checkpoint import NOT_COMPARED, changed_flags
+from train_multi_gpu_using_launch import get_args_parser
+
+CONTRACT = ROOT / "docs" / "resume-and-restarts.md"
+
+
+def cosine(epoch: int, epochs: int, lrf: float = 0.1) -> float:
+    return (1 + torch.cos(torch.tensor(epoch * torch.pi / epochs)).item()) / 2 * (1 - lrf) + lrf
+
+
+# ---------------------------------------------------------------- flags: the table, every row
+def contract_rows() -> list[tuple[list[str], str]]:
+    """The rows of the docs' flag table: ([--flag, ...], "applied" | "refused")."""
+    text = CONTRACT.read_text(encoding="utf-8")
+    table = text[text.index("| flags on the rerun |"):].split("\n\n")[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append((re.findall(r"`(--[\w-]+)", cells[0]), re.match(r"\w+", cells[1])[0]))
+    return rows
+
+
+def other_value(action: argparse.Action, value):
+    """A value the flag could have had in the run, other than ``value``."""
+    if isinstance(value, bool) or action.nargs == "?":
+        return not value
+    if action.choices:
+        return next(c for c in action.choices if c != value)
+    if value is None:
+        return 7 if action.type and action.type.__name__ == "int" else "elsewhere"
+    return value * 2 + 1 if isinstance(value, (int, float)) else f"{value}-other"
+
+
+def test_the_docs_table_names_every_flag_once_and_says_what_the_code_does():
+    parser, rows = get_args_parser(), contract_rows()
+    named = [flag for row_flags, _ in rows for flag in row_flags]
+    assert len(named) == len(set(named)), named
+    defaults = vars(parser.parse_args(["--model", "resnet18", "--img-size", "32"]))
+    by_flag = {s: a for a in parser._actions for s in a.option_strings}
+    compared = {a.dest for a in parser._actions
+                if a.dest != "help" and a.dest not in NOT_COMPARED}
+    assert compared == {by_flag[f].dest for f in named}, "a flag missing from the table"
+    for row_flags, behaviour in rows:
+        assert behaviour in ("applied", "refused"), behaviour
+        for flag in row_flags:
+            action = by_flag[flag]
+            saved = {**defaults, action.dest: other_value(action, defaults[action.dest])}
+            refused, applied = changed_flags(saved, argparse.Namespace(**defaults))
+            said = {"refused": refused, "applied": applied}
+            assert len(said[behaviour]) == 1 and len(refused) + len(applied) == 1, (
+                flag, behaviour, said)
+
+
+def test_val_path_given_to_one_run_only_is_refused_another_folder_applied():
+    args = argparse.Namespace(val_path="/data/val2", eval_only=False)
+    assert changed_flags({"val_path": "/data/val"}, args) == (
+        [], ["--val-path /data/val2 (the run had /data/val)"])
+    assert changed_flags({"val_path": None}, args)[0] == [
+        "--val-path /data/val2 (the run had no --val-path)"]
+
+
+def test_changed_lr_momentum_and_batch_size_apply_from_the_resumed_epoch(reference_run, tiny_data,
+                                                                        tmp_path, plain):
+    """--lr 0.05 on a run made with 0.001 trains at 0.05 from epoch 3 (one process: no scaling),
+    with the new momentum; the momentum buffers are the run's. Said once, in one line."""
+    out = clone_run(reference_run.out, tmp_path / "run")
+    res = plain(flags(tiny_data, out, "--epochs", "4", "--lr", "0.05", "--momentum", "0.5",
+                      "--batch-size", "2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert metrics[:3] == read_metrics(reference_run.out)
+    assert metrics[3]["lr"] == pytest.approx(0.05 * cosine(3, 4), rel=1e-6)
+    group = load_ckpt(out / "checkpoint.pth")["optimizer"]["param_groups"][0]
+    assert (group["momentum"], group["initial_lr"]) == (0.5, pytest.approx(0.05))
+    said = [line for line in res.stderr.splitlines() if "applied from epoch 3" in line]
+    assert len(said) == 1, res.stderr[-3000:]
+    for part in ("--lr 0.05 (the run had 0.001)", "--momentum 0.5 (the run had 0.9)",
+                 "--batch-size 2 (the run had 4)", "2 images per step (the run had 8)"):
+        assert part in said[0], said[0]
+
+
+def test_every_refused_flag_is_listed_in_one_line_with_both_ways_on(reference_run, tiny_data,
+                                                                    tmp_path, plain):
+    out = clone_run(reference_run.out, tmp_path / "run")
+    before = (out / "checkpoint.pth").read_bytes()
+    res = plain([*flags(tiny_data, out, "--epochs", "4"), "--seed", "3", "--val-rate", "0.3",
+                 "--model", "resnet34"])
+    line = assert_user_error(res, "--seed 3 (the run had 0)", "--val-rate 0.3 (the run had 0.2)",
+                             "--model resnet34 (the run had resnet18)", "--resume none",
+                             "--output-dir")
+    assert "lr" not in line
+    assert (out / "checkpoint.pth").read_bytes() == before
+
+
+# ---------------------------------------------------------------- restarts and links
+def test_a_torchrun_restart_continues_its_own_checkpoint_not_resume_path(reference_run,
+                                                                         tiny_data, tmp_path,
+                                                                         plain):
+    """The first attempt started from --resume PATH and saved epochs of its own; the restarted
+    group continues those, moving nothing aside."""
+    start = clone_run(reference_run.out, tmp_path / "start")
+    out = clone_run(reference_run.out, tmp_path / "run")
+    res = plain(flags(tiny_data, out, "--epochs", "4", "--resume", str(start / "checkpoint.pth")),
+                TORCHELASTIC_RESTART_COUNT="1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1, 2, 3]
+    assert not (out / "previous-runs").exists()
+
+
+def test_resume_through_a_link_to_the_runs_own_folder_continues_it(reference_run, tiny_data,
+                                                                   tmp_path, plain):
+    out = clone_run(reference_run.out, tmp_path / "runs" / "a")
+    (tmp_path / "runs" / "latest").symlink_to("a")
+    res = plain(flags(tiny_data, out, "--epochs", "4", "--resume",
+                      str(tmp_path / "runs" / "latest" / "checkpoint.pth")))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1, 2, 3]
+    assert not (out / "previous-runs").exists()
+
+
+# ---------------------------------------------------------------- no validation set
+def test_fsdp_without_validation_images_ends_well_and_exports_the_last_weights(tiny_data,
+                                                                               tmp_path):
+    out = tmp_path / "run"
+    res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "1", "--val-rate", "0",
+                                             "--strategy", "fsdp")))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert "no validation images, so no best model" in res.stderr
+    assert not (out / "model_best.pth").exists()
+    weights = torch.load(out / "weights" / "model-0.pth", weights_only=True)
+    pytest.importorskip("torchvision").models.resnet18(num_classes=5).load_state_dict(weights)
+
+
+# ---------------------------------------------------------------- --eval-only from the file
+def without_model_flags(argv: list[str]) -> list[str]:
+    """``argv`` less TINY_FLAGS' --model and --img-size (the checkpoint has them)."""
+    drop = {i + k for i, a in enumerate(argv) if a in ("--model", "--img-size") for k in (0, 1)}
+    return [a for i, a in enumerate(argv) if i not in drop]
+
+
+def test_eval_only_takes_model_and_size_from_the_checkpoint_and_refuses_others(
+        reference_run, tiny_data, tmp_path, plain):
+    assert {"--model", "--img-size"} <= set(TINY_FLAGS)
+    ckpt = str(reference_run.out / "checkpoint.pth")
+    base = without_model_flags(flags(tiny_data, tmp_path / "eval", "--eval-only",
+                                     "--resume", ckpt))
+    res = plain(base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "top-1 accuracy" in res.stderr
+    res = plain([*base, "--img-size", "64"])
+    assert_user_error(res, "--img-size 64 (it has 32)", ckpt)
+    # A separate test folder: --val-path alone, all of it scored, no --data-path.
+    argv = [a for a in base if a != str(tiny_data)]
+    argv.remove("--data-path")
+    res = plain([*argv, "--val-path", str(tiny_data)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "val images: 60" in res.stderr, res.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
