@@ -28,8 +28,8 @@ class ResNet(torchvision.models.ResNet):
 
     def __init__(self, block: type[BasicBlock | Bottleneck], layers: list[int],
                  num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> None:
-        if block not in (BasicBlock, Bottleneck):
-            raise ValueError(f"block must be BasicBlock or Bottleneck, got {block!r}.")
+        if not (isinstance(block, type) and issubclass(block, (BasicBlock, Bottleneck))):
+            raise ValueError(f"block must be BasicBlock, Bottleneck or a subclass, got {block!r}.")
         if len(layers) != 4 or any(not isinstance(n, int) or n < 1 for n in layers):
             raise ValueError(f"layers must be four positive block counts, got {layers!r}.")
         # bool is an int subclass; num_classes=True is always a mistake.
@@ -38,7 +38,7 @@ class ResNet(torchvision.models.ResNet):
         widths = kwargs.get("groups", 1), kwargs.get("width_per_group", 64)
         if any(not isinstance(n, int) or n < 1 for n in widths):
             raise ValueError(f"groups and width_per_group must be positive integers, got {widths}.")
-        if block is BasicBlock and any(kwargs.get("replace_stride_with_dilation") or []):
+        if issubclass(block, BasicBlock) and any(kwargs.get("replace_stride_with_dilation") or []):
             raise ValueError("replace_stride_with_dilation needs resnet50 or deeper.")
         norm = kwargs.get("norm_layer") or nn.BatchNorm2d
         # torchvision's init sets every norm layer's weight and bias, so they must exist.

@@ -228,6 +228,8 @@ def test_bad_arguments_raise_value_error(builder: Callable[..., nn.Module], kwar
 
 
 def test_bad_layers_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="block"):
+        model.ResNet(nn.Conv2d, [2, 2, 2, 2])
     with pytest.raises(ValueError, match="layers"):
         model.ResNet(model.BasicBlock, [2, 2, 2])
     with pytest.raises(ValueError, match="layers"):
