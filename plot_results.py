@@ -24,15 +24,12 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from multi_train_utils.guard import UserError
 from utils import HelpFormatter, path_flag, positive_int
 
 METRICS_FILE = "metrics.jsonl"
 # Keys every epoch record must have to be plotted; the training script always writes them.
 REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
-
-
-class UsageError(Exception):
-    """A mistake in the inputs the user gave; the message says what and how to fix it."""
 
 
 @dataclass
@@ -60,10 +57,10 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise UsageError(f"no {METRICS_FILE} in {path.parent}; "
+        raise UserError(f"no {METRICS_FILE} in {path.parent}; "
                          "pass the --output-dir of a training run.") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {path} ({exc}).") from None
+        raise UserError(f"cannot read {path} ({exc}).") from None
     by_epoch: dict[int, dict[str, Any]] = {}
     for lineno, line in enumerate(lines, start=1):
         try:
@@ -78,14 +75,14 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
             continue
         by_epoch[int(record["epoch"])] = {**record, "epoch": int(record["epoch"])}
     if not by_epoch:
-        raise UsageError(f"{path} has no epoch records; has the run finished its first epoch?")
+        raise UserError(f"{path} has no epoch records; has the run finished its first epoch?")
     return [by_epoch[epoch] for epoch in sorted(by_epoch)]
 
 
 def load_runs(run_dirs: Sequence[Path], labels: Sequence[str] | None = None) -> list[Run]:
     """Read every run directory; ``labels`` (one per run) replace the folder names."""
     if labels and len(labels) != len(run_dirs):
-        raise UsageError(f"got {len(labels)} --labels for {len(run_dirs)} runs; "
+        raise UserError(f"got {len(labels)} --labels for {len(run_dirs)} runs; "
                          "give one label per run.")
     labels = labels or [Path(d).resolve().name for d in run_dirs]
     return [Run(label, load_metrics(Path(d) / METRICS_FILE)) for d, label in zip(run_dirs, labels)]
@@ -147,7 +144,7 @@ def save_plots(runs: Sequence[Run], out_dir: Path, dpi: int = 120) -> list[Path]
         for name, plot in charts.items():
             plot(runs).savefig(out_dir / name, dpi=dpi)
     except OSError as exc:  # a file in the way, a read-only folder, a full disk
-        raise UsageError(f"cannot write the plots into --out-dir {out_dir} "
+        raise UserError(f"cannot write the plots into --out-dir {out_dir} "
                          f"({exc.strerror or exc}).") from None
     return [out_dir / name for name in charts]
 
@@ -155,7 +152,7 @@ def save_plots(runs: Sequence[Run], out_dir: Path, dpi: int = 120) -> list[Path]
 def main(args: argparse.Namespace) -> None:
     try:
         written = save_plots(load_runs(args.run_dirs, args.labels), Path(args.out_dir), args.dpi)
-    except UsageError as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print("\n".join(map(str, written)))

@@ -28,7 +28,7 @@ from .guard import ConfigError
 
 log = logging.getLogger("train")
 STRATEGIES = ("ddp", "fsdp")
-RESIDUAL_BLOCKS = ("BasicBlock", "Bottleneck")  # ResNet's, ours and torchvision's
+RESIDUAL_BLOCKS = ("BasicBlock", "Bottleneck")  # torchvision's ResNet blocks
 
 
 def check_strategy(strategy: str, world_size: int, *, compile: bool, comm_hook: str) -> None:
@@ -50,7 +50,7 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
                 units: Sequence[type[nn.Module] | str] = RESIDUAL_BLOCKS) -> nn.Module:
     """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is) and return
     it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. Each submodule whose
-    class is in ``units`` (a class or its name: ours and torchvision's residual blocks) is one
+    class is in ``units`` (a class or its name; default: torchvision's residual blocks) is one
     unit, all-gathered alone; the root holds the rest (stem, fc). Ranks but 0 may build ``model``
     on the meta device: rank 0's real model (seed, init, ``--weights``) fills every rank's shards
     one tensor at a time, so it must fit in rank 0's host memory, not in one device.
