@@ -14,7 +14,6 @@ set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
 MARK="# written by slurm/local-cluster.sh"
-PLUGINS=/usr/lib/x86_64-linux-gnu/slurm-wlm
 
 if [ "$(id -u)" != 0 ]; then
     command -v sudo >/dev/null && exec sudo "$0" "$@"
@@ -23,12 +22,13 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 running() {  # running PIDFILE: the daemon that wrote it is alive
-    [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+    [ -s "$1" ] && kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null
 }
 
 if [ "${1:-start}" = stop ]; then
     for pidfile in /run/slurmd.pid /run/slurmctld.pid /run/munge/munged.pid; do
         if running "$pidfile"; then kill "$(cat "$pidfile")"; fi
+        while running "$pidfile"; do sleep 0.2; done
     done
     exit 0
 fi
@@ -49,6 +49,7 @@ if [ -e "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
          "cluster's configuration" >&2
     exit 2
 fi
+PLUGINS=$(echo /usr/lib/*/slurm-wlm)  # /usr/lib/x86_64-linux-gnu/slurm-wlm on a PC
 host=$(hostname -s)
 # This machine's CPUs, sockets, cores and memory, as slurmd itself sees them.
 node=$(slurmd -C | head -n 1 | sed 's/^NodeName=[^ ]*//')
