@@ -79,7 +79,8 @@ def _legacy_launch_flags() -> set[str]:
 
 # tool: (the word that names it in a command or a paragraph, a fullmatch; its flags)
 TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
-    "training": (r"train_multi_gpu_using_(launch|spawn)\.py",
+    # slurm/train.sbatch passes the flags after it on to the launcher.
+    "training": (r"train_multi_gpu_using_(launch|spawn)\.py|train\.sbatch",
                  _module_parser("train_multi_gpu_using_launch")),  # one parser for both
     "predict": (r"predict\.py", _module_parser("predict")),
     "plot": (r"plot_results\.py", _module_parser("plot_results")),
@@ -95,6 +96,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
                                            "--gpus-per-node", "--gpus-per-task",
                                            "--cpus-per-task", "--time", "--requeue",
                                            "--signal", "--open-mode"}),
+    "scancel": (r"scancel", lambda: {"--signal", "--batch"}),
     "docker": (r"docker", lambda: {"--shm-size", "--ipc", "--init", "--cpus", "--gpus"}),
     "tensorboard": (r"tensorboard", lambda: {"--logdir"}),
     "git": (r"git", lambda: {"--always", "--dirty"}),
