@@ -99,6 +99,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "tensorboard": (r"tensorboard", lambda: {"--logdir"}),
     "git": (r"git", lambda: {"--always", "--dirty"}),
     "pytest": (r"pytest", lambda: {"--durations"}),
+    "pip": (r"pip3?", lambda: {"--index-url"}),
 }
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
 
