@@ -1,21 +1,29 @@
-"""Data-parallel training of your own model and dataset with multi_train_utils alone.
+"""Data-parallel training of your own model and data with multi_train_utils alone: it saves each
+epoch, continues when run again, and stops cleanly on a signal.
 
     python example_own_project.py                        # one process (GPU, else CPU)
     torchrun --nproc_per_node=2 example_own_project.py   # two processes: NCCL on GPUs, gloo on CPU
 
-Copy the ``multi_train_utils/`` folder next to your script; then swap in your own ``Dataset`` and
-``nn.Module``. Here: a synthetic 4-class task (the quadrant of the first two of 16 features).
+Run the same command again and it continues from ``<output-dir>/checkpoint.pth``. Ctrl-C or
+SIGTERM finishes the optimizer step every rank agrees on, saves it and exits; the rerun continues
+at that step. Copy the ``multi_train_utils/`` folder next to your script, then swap in your own
+``Dataset`` and ``nn.Module``. Here: a synthetic 4-class task (the quadrant of the first two of 16
+features).
 """
 
 import argparse
-import logging
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from multi_train_utils.checkpoint import load_file, save_atomic, step_saves, unwrap
 from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, is_main_process
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from multi_train_utils.guard import guarded, stop_requests
+from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
+                                                train_one_epoch)
 
 
 def make_dataset(size: int, seed: int) -> TensorDataset:
@@ -25,40 +33,77 @@ def make_dataset(size: int, seed: int) -> TensorDataset:
 
 
 def main(args: argparse.Namespace) -> None:
-    # The loops log a progress line every print_freq steps where stdout is not a terminal
-    # (SLURM, nohup: a tqdm bar there is one endless line); without this they are dropped.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     # torchrun/SLURM variables, or one process without them; args is left alone
     info = init_distributed_mode(device=args.device)
+    torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(info.device)
-    if info.distributed:  # DDP copies rank 0's initial weights to the others
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    checkpoint = Path(args.output_dir) / "checkpoint.pth"
+    start_epoch, progress = 0, EpochProgress()
+    if checkpoint.exists():  # continue: every rank reads the same weights, optimizer and place
+        state = load_file(checkpoint)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if state["in_epoch"]:  # stopped part-way: the same epoch, from the step it saved
+            start_epoch, progress = state["epoch"], EpochProgress(**state["in_epoch"])
+        else:
+            start_epoch = state["epoch"] + 1
+        if is_main_process():
+            print(f"continuing at epoch {start_epoch}, step {progress.batches}", flush=True)
+    if info.distributed:  # DDP checks that every rank starts from the same weights
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+
     train_set, val_set = make_dataset(4096, seed=1), make_dataset(1000, seed=2)
     # Each rank reads its 1/world_size share; evaluate() drops the val sampler's padding.
-    train_sampler = DistributedSampler(train_set, info.world_size, info.rank, shuffle=True)
+    # ResumableSampler is a DistributedSampler whose epoch can start after the samples trained.
+    train_sampler = ResumableSampler(train_set, info.world_size, info.rank, shuffle=True)
     val_sampler = DistributedSampler(val_set, info.world_size, info.rank, shuffle=False)
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler)
     val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    for epoch in range(args.epochs):
-        train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        loss = train_one_epoch(model, optimizer, train_loader, info.device, epoch)
-        result = evaluate(model, val_loader, info.device)  # exact, summed over all ranks
+
+    def save(epoch: int, progress: EpochProgress | None = None) -> None:
+        """Every rank calls it; rank 0 writes (atomically: a kill leaves the previous file)."""
+        place = None if progress is None else {
+            "batches": progress.batches, "samples": progress.samples,
+            "batches_in_epoch": progress.batches_in_epoch}
         if is_main_process():
-            print(f"epoch {epoch}: train loss {loss:.4f}  val accuracy {result.top1:.4f} "
-                  f"({result.correct}/{result.num_samples})")
+            save_atomic({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch, "in_epoch": place}, checkpoint)
+
+    # In this block a stop signal only asks to stop: after each optimizer step the ranks agree
+    # whether to (step_saves), save where the epoch stands, and stop.stop() exits.
+    with stop_requests() as stop:
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch, skip=progress.samples)  # a new shuffle; a stopped
+            loss = train_one_epoch(                                # epoch deals only its rest
+                model, optimizer, train_loader, info.device, epoch, progress=progress,
+                after_step=step_saves(stop, partial(save, epoch), every=args.save_every_steps))
+            if progress.stopped:  # saved at the step every rank stopped after
+                stop.stop()  # exit code 128 + the signal, and a line saying to rerun
+            result = evaluate(model, val_loader, info.device)  # exact, summed over all ranks
+            save(epoch)
+            if is_main_process():
+                print(f"epoch {epoch}: train loss {loss:.4f}  val accuracy {result.top1:.4f} "
+                      f"({result.correct}/{result.num_samples})", flush=True)
+            if stop.poll(lag=False):  # a signal during evaluation or the save
+                stop.stop()
+            progress = EpochProgress()
     cleanup()
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=5, help="in all, continued ones included")
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--output-dir", default="runs/example", help="where checkpoint.pth goes")
+    parser.add_argument("--save-every-steps", type=int, default=0,
+                        help="also save every K steps, for a kill no signal announces")
     return parser
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    # Signals, exit codes and one-line errors around main; it also sets up logging per rank.
+    guarded(main, get_args_parser().parse_args())

@@ -101,6 +101,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "tensorboard": (r"tensorboard", lambda: {"--logdir"}),
     "git": (r"git", lambda: {"--always", "--dirty"}),
     "pytest": (r"pytest", lambda: {"--durations"}),
+    "pip": (r"pip3?", lambda: {"--index-url"}),
 }
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
 
@@ -406,3 +407,45 @@ def test_the_label_rule_finds_tables_blocks_and_rates():
                                "(landed as f5c9fc4), torch 2.14.1: one process, 47.9 img/s.", 1)
     assert label_of(label)["machine"] == "Intel Xeon, 2 CPUs"
     assert label_of(label)["commit"] == "3ac12fc-dirty" and label_of(label)["torch"] == "2.14.1"
+
+
+# ---------------------------------------------------------------- size and tone
+def test_the_readme_and_docs_keep_their_line_budgets():
+    """A front page of at most 220 lines; docs/ at most 1,300 lines in all."""
+    lines = {page: len((ROOT / page).read_text(encoding="utf-8").splitlines()) for page in PAGES}
+    assert lines["README.md"] <= 220, lines["README.md"]
+    docs = {page: n for page, n in lines.items() if page.startswith("docs/")}
+    assert sum(docs.values()) <= 1300, sorted(docs.items(), key=lambda kv: -kv[1])
+
+
+# Words that tell how the project got here rather than what a user does: the git log keeps that.
+HISTORY = re.compile("|".join([
+    r"\bissues? #?\d+", r"\bPR #?\d+", r"\blanded\b", r"\b(?:was|were|is|are|been) lent\b",
+    r"reorgani[sz]", r"\bredesign", r"\bearlier (?:design|commit|version|code)",
+    r"\bbefore (?:it|the code|this) was\b", r"\bused to (?:run|be)\b", r"\bof then\b",
+    r"\bnot (?:yet )?measured again\b", r"\bno longer the default\b", r"\bwas fixed\b",
+    r"\bwere fixed\b", r"\bthe old (?:code|way|figures|one)\b", r"\bbefore the (?:change|fix)\b",
+]), re.I)
+
+
+def history_lines(page: str) -> list[str]:
+    text = (ROOT / page).read_text(encoding="utf-8")
+    return [f"{page}:{n}: {m.group(0)!r} in {line.strip()[:80]}"
+            for n, line in enumerate(text.splitlines(), 1) if (m := HISTORY.search(line))]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_page_tells_the_projects_history(page):
+    found = history_lines(page)
+    assert not found, "say what a user does and can expect; the git log keeps the history:\n" + \
+        "\n".join(found)
+
+
+def test_the_history_rule_finds_what_it_should():
+    for line in ("before the reorganisation of issue 25", "(landed as f5c9fc4)",
+                 "not measured since, as no GPU was lent", "what the template sharded before "
+                 "issue 36", "the default of then, 8"):
+        assert HISTORY.search(line), line
+    for line in ("Rank 0 lists the folder.", "issued by torchrun", "the tissue 12 images",
+                 "a GPU lends itself to this", "the previous checkpoint is intact"):
+        assert not HISTORY.search(line), line

@@ -1,5 +1,6 @@
-"""What users reach for around training: the own-project example (run as the README shows it,
-and with ``multi_train_utils/`` copied alone), TensorBoard, and --eval-only.
+"""What users reach for around training: the own-project example (it saves, continues and stops
+cleanly; it runs with ``multi_train_utils/`` copied alone), the files docs/own-project.md says to
+copy, TensorBoard, and --eval-only.
 """
 
 from __future__ import annotations
@@ -10,36 +11,82 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from conftest import ROOT, child_env, clone_run, flags, read_metrics, run, torchrun_cmd
+from conftest import (ROOT, assert_same_tensors, child_env, clone_run, flags, load_ckpt,
+                      make_stopper, read_metrics, run, torchrun_cmd)
 
-EXAMPLE = "example_own_project.py"
+EXAMPLE, LAUNCH_PY = "example_own_project.py", "train_multi_gpu_using_launch.py"
+EXAMPLE_EPOCHS = ["--device", "cpu", "--epochs", "3"]
+STEPS_PER_EPOCH = 32  # 4096 samples, 2 ranks, batch 64
 TOP_LEVEL = ("train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "utils", "model",
-             "my_dataset", "predict", "plot_results")
+             "my_dataset", "predict", "plot_results", "device_decode")
 
 
-def val_accuracies(stdout: str) -> list[float]:
+def epoch_lines(stdout: str) -> dict[int, float]:
     """The example's epoch lines, e.g. ``epoch 2: train loss 0.1562  val accuracy 0.9750``."""
-    found = re.findall(r"^epoch (\d+):.*?val accuracy ([\d.]+)", stdout, re.M)
-    assert [int(e) for e, _ in found] == list(range(len(found))), stdout[-2000:]
-    return [float(acc) for _, acc in found]
+    return {int(e): float(acc) for e, acc in
+            re.findall(r"^epoch (\d+):.*?val accuracy ([\d.]+)", stdout, re.M)}
 
 
 # ---------------------------------------------------------------- own-project example
-def test_example_trains_with_torchrun_two_processes():
-    res = run(torchrun_cmd(2, EXAMPLE, "--device", "cpu", "--epochs", "3"), timeout=240)
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory) -> SimpleNamespace:
+    """The example under torchrun, 2 processes, 3 epochs, never stopped."""
+    out = tmp_path_factory.mktemp("example") / "run"
+    res = run(torchrun_cmd(2, EXAMPLE, *EXAMPLE_EPOCHS, "--output-dir", str(out)), timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
-    accuracies = val_accuracies(res.stdout)
-    assert len(accuracies) == 3  # rank 0 alone prints
-    assert accuracies[-1] > 0.8, accuracies  # chance is 0.25
+    return SimpleNamespace(out=out, stdout=res.stdout)
 
 
-def test_readme_shows_the_example_verbatim():
-    """The README's own-project code is this tested file, so it cannot drift from working code."""
-    example = (ROOT / EXAMPLE).read_text()
-    assert "```python\n" + example + "```" in (ROOT / "README.md").read_text()
+def test_example_trains_with_torchrun_two_processes_and_saves(example_run):
+    accuracies = epoch_lines(example_run.stdout)
+    assert list(accuracies) == [0, 1, 2]  # rank 0 alone prints
+    assert accuracies[2] > 0.8, accuracies  # chance is 0.25
+    ckpt = load_ckpt(example_run.out / "checkpoint.pth")
+    assert ckpt["epoch"] == 2 and ckpt["in_epoch"] is None
+    assert ckpt["model"].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}  # no "module."
+
+
+def test_example_run_again_continues_without_repeating_an_epoch(example_run, tmp_path):
+    out = shutil.copytree(example_run.out, tmp_path / "run")
+    argv = [sys.executable, EXAMPLE, "--device", "cpu", "--output-dir", str(out)]
+    res = run([*argv, "--epochs", "4"])  # one process now: it continues all the same
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "continuing at epoch 3, step 0" in res.stdout
+    assert list(epoch_lines(res.stdout)) == [3]
+    assert load_ckpt(out / "checkpoint.pth")["epoch"] == 3
+
+
+def test_example_stops_on_sigterm_saves_and_the_rerun_ends_as_if_never_stopped(example_run,
+                                                                                tmp_path):
+    """SIGTERM to torchrun in epoch 1 (it passes it on to both ranks): the ranks save the step
+    they agree on and exit; the same command continues there and ends with the weights and
+    momentum of the run that was never stopped, bit for bit."""
+    out = tmp_path / "run"
+    argv = [EXAMPLE, *EXAMPLE_EPOCHS, "--output-dir", str(out)]
+    res = run(torchrun_cmd(2, make_stopper(tmp_path), *argv), timeout=240,
+              STOP_TARGET="parent", STOP_AFTER=str(STEPS_PER_EPOCH + 8))
+    assert res.returncode != 0 and "interrupted by SIGTERM" in res.stderr, res.stderr[-3000:]
+    assert list(epoch_lines(res.stdout)) == [0]
+    ckpt = load_ckpt(out / "checkpoint.pth")
+    step = ckpt["in_epoch"]["batches"]
+    assert ckpt["epoch"] == 1 and 8 <= step < STEPS_PER_EPOCH, ckpt["in_epoch"]
+    assert re.search(rf"stopping after step {step} of {STEPS_PER_EPOCH}", res.stderr)
+    res = run(torchrun_cmd(2, *argv), timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"continuing at epoch 1, step {step}" in res.stdout
+    assert list(epoch_lines(res.stdout)) == [1, 2]
+    done = load_ckpt(out / "checkpoint.pth")
+    reference = load_ckpt(example_run.out / "checkpoint.pth")
+    assert done["epoch"] == 2 and done["in_epoch"] is None
+    assert_same_tensors(done["model"], reference["model"])
+    momentum = [[s["momentum_buffer"] for s in c["optimizer"]["state"].values()]
+                for c in (done, reference)]
+    assert all(torch.equal(a, b) for a, b in zip(*momentum)) and momentum[0]
 
 
 def test_multi_train_utils_and_example_work_copied_alone(tmp_path):
@@ -50,20 +97,58 @@ def test_multi_train_utils_and_example_work_copied_alone(tmp_path):
     shutil.copy(ROOT / EXAMPLE, tmp_path / EXAMPLE)
     modules = sorted(p.stem for p in (tmp_path / "multi_train_utils").glob("*.py"))
     assert {"checkpoint", "distributed_utils", "guard", "train_eval_utils"} <= set(modules)
+    out = tmp_path.parent / f"{tmp_path.name}-out"
     check = (f"import importlib, importlib.util, runpy, sys\n"
              f"assert importlib.util.find_spec('utils') is None, 'the repo is on sys.path'\n"
              f"for m in {modules!r}: importlib.import_module('multi_train_utils.' + m)\n"
-             f"sys.argv = [{EXAMPLE!r}, '--device', 'cpu', '--epochs', '2']\n"
+             f"sys.argv = [{EXAMPLE!r}, '--device', 'cpu', '--epochs', '2', "
+             f"'--output-dir', {str(out)!r}]\n"
              f"runpy.run_path({EXAMPLE!r}, run_name='__main__')\n"
              f"print('leaked', sorted(set({TOP_LEVEL!r}) & set(sys.modules)))\n")
-    env = child_env()
-    env.pop("PYTHONPATH", None)
-    res = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=180)
+    res = copied_run(tmp_path, [sys.executable, "-c", check])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "leaked []" in res.stdout
-    assert val_accuracies(res.stdout)[-1] > 0.6
+    assert epoch_lines(res.stdout)[1] > 0.6
+    assert (out / "checkpoint.pth").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [EXAMPLE, "multi_train_utils"]
+
+
+def copied_run(folder: Path, cmd: list[str]) -> subprocess.CompletedProcess:
+    """``cmd`` in ``folder``, with this repository on no path."""
+    env = child_env()
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=180)
+
+
+def files_to_copy(heading: str) -> list[str]:
+    """The code spans of the list item of docs/own-project.md that starts with ``heading``."""
+    text = (ROOT / "docs" / "own-project.md").read_text(encoding="utf-8")
+    (item,) = re.findall(rf"^- \*\*{re.escape(heading)}.*?(?=^- |^#|\Z)", text, re.M | re.S)
+    return [n for n in re.findall(r"`([^`]+)`", item) if n.endswith(("/", ".py"))]
+
+
+def test_own_project_names_the_files_to_copy_and_they_suffice(tiny_data, tmp_path):
+    """The files docs/own-project.md lists for image classification, copied alone, train a run
+    and import the other tools; for any model and data it lists multi_train_utils/ alone."""
+    assert files_to_copy("Any model and data") == ["multi_train_utils/"]
+    listed = files_to_copy("Image classification")
+    assert {"multi_train_utils/", "train_multi_gpu_using_launch.py"} <= set(listed), listed
+    for name in listed:
+        if name.endswith("/"):
+            shutil.copytree(ROOT / name, tmp_path / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, tmp_path / name)
+    tools = [n[:-3] for n in listed if n.endswith(".py") and n != LAUNCH_PY]
+    out = tmp_path.parent / f"{tmp_path.name}-out"
+    argv = [LAUNCH_PY, *flags(tiny_data, out, "--epochs", "1")]
+    check = (f"import runpy, sys\n"
+             f"for m in {tools!r}: __import__(m)\n"
+             f"sys.argv = {argv!r}\n"
+             f"runpy.run_path({LAUNCH_PY!r}, run_name='__main__')\n")
+    res = copied_run(tmp_path, [sys.executable, "-c", check])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(read_metrics(out)) == 1
 
 
 # ---------------------------------------------------------------- TensorBoard
