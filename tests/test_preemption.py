@@ -257,6 +257,52 @@ def test_sigterm_to_torchrun_with_accumulation_stops_between_groups_and_continue
     assert_same_run(out, accumulation_reference)
 
 
+LONG_STEPS = r"""
+import os, runpy, sys, time
+import torch
+sys.path.insert(0, os.getcwd())
+import multi_train_utils.train_eval_utils as _loop
+
+_eye, _step = torch.eye(1000), _loop._optimizer_step
+started = time.perf_counter()
+torch.mm(_eye, _eye)
+_calls = int(0.8 / (time.perf_counter() - started)) + 2
+
+def _long_step(*args, **kwargs):  # a C call of ~0.8 s in every step, as a long CPU backward()
+    _step(*args, **kwargs)
+    torch.linalg.multi_dot([_eye] * _calls)
+
+_loop._optimizer_step = _long_step
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exc:
+    print(f"exit code {exc.code}", file=sys.stderr, flush=True)
+    raise
+"""
+
+
+def test_sigterm_to_every_process_group_during_long_steps_is_one_stop(tiny_data, tmp_path,
+                                                                       launched, plain):
+    """As slurmstepd signals every process of a step, and torchrun passes the signal on again:
+    each rank gets two copies, and its Python handler runs after a step's long C call."""
+    (tmp_path / "long_steps.py").write_text(LONG_STEPS)
+    argv = flags(tiny_data, tmp_path / "run", "--epochs", "2", "--print-freq", "1")
+    tree = launched(torchrun_cmd(2, str(tmp_path / "long_steps.py"), LAUNCH, *argv))
+    tree.wait_for(lambda: "[train epoch 0] step 1/5" in tree.output(), "step 1")
+    for group in {os.getpgid(pid) for pid, _ in tree.refresh()} | {tree.proc.pid}:
+        os.killpg(group, signal.SIGTERM)  # kill -TERM -PGID: torchrun's, and each rank's
+    tree.wait_exit(120)
+    text = tree.output()
+    assert re.findall(r"^exit code (\d+)$", text, flags=re.M) == ["143"] * 2, text[-3000:]
+    (step,) = set(re.findall(r"stopping after step (\d) of 5 of the epoch, saved", text))
+    assert text.count(f"stopping after step {step} of 5") == 2, text[-3000:]  # each rank
+    assert load_ckpt(tmp_path / "run" / "checkpoint.pth")["in_epoch"]["batches"] == int(step)
+    res = plain(argv)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resuming from epoch 0, step {step} of 5 of 2 processes" in res.stderr, res.stderr
+
+
 def test_a_signal_during_evaluation_ends_with_the_epoch_saved(tiny_data, tmp_path, plain):
     out = tmp_path / "run"
     argv = flags(tiny_data, out, "--epochs", "3")
