@@ -5,8 +5,7 @@
 - A user's mistake (``UserError``: flags, data, files) is one ``error: ...`` line, exit code 2.
 - A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2, Ctrl-\\) unwinds like a KeyboardInterrupt: every
   ``finally`` runs, nothing is left behind; exit code 128 + the signal and one line saying how
-  to continue. In training (``stop_requests()``) all but SIGQUIT only ask to stop (save, then
-  exit): :class:`StopRequest`.
+  to continue. In training (``stop_requests()``) all but SIGQUIT ask to stop: :class:`StopRequest`.
 - torch's run failures (a lost peer, a collective past ``--dist-timeout``, a DataLoader worker
   dead or silent, a full disk) are torch's first line plus how to continue, exit code 1.
   Anything else is a bug and keeps its traceback.
@@ -34,9 +33,7 @@ import torch.distributed as dist
 log = logging.getLogger("train")
 EXIT_USER_ERROR = 2
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2",
-                                                        "SIGQUIT")
-                     if hasattr(signal, name))  # Windows has neither SIGUSR nor SIGQUIT
-AT_ONCE = getattr(signal, "SIGQUIT", None)  # in training too: Ctrl-\\, kill -QUIT (no save)
+                     "SIGQUIT") if hasattr(signal, name))  # Windows lacks SIGUSR1/2, SIGQUIT
 _received: list[int] = []  # the stop signals this process got, in order: the first is the cause
 
 
@@ -122,12 +119,11 @@ def _end_loader_workers() -> None:
 class StopRequest:
     """Within :func:`stop_requests`: the first stop signal a rank gets only sets :attr:`signum`;
     training goes on to an optimizer step at which all ranks agree to stop (:meth:`poll`), saves
-    there and exits. Repeats are the same stop and never skip the save: torchrun, srun and a
-    terminal pass one stop on in copies, whose handlers can run seconds apart (after a long C
-    call). SIGQUIT (Ctrl-\\) stops at once, without the save. As often only some ranks are
-    signalled (``kill`` of one pid), every rank all-reduces its flag (MAX) after each step, on
-    the CPU (gloo; under NCCL a group of its own, whose answer is read a step later, so the host
-    waits neither for the GPU nor for the network)."""
+    there and exits. Repeats are that stop (torchrun, srun, a terminal pass copies on, handled
+    seconds apart after a long C call); SIGQUIT (Ctrl-\\) stops at once, without the save. As
+    often only some ranks are signalled (``kill`` of one pid), every rank all-reduces its flag
+    (MAX) after each step, on the CPU (gloo; under NCCL a group of its own, whose answer is read
+    a step later, so the host waits neither for the GPU nor for the network)."""
 
     def __init__(self) -> None:
         self.signum = 0  # the first stop signal this rank got, or 0
@@ -138,7 +134,7 @@ class StopRequest:
         self.previous: dict[int, Any] = {}  # the handlers before stop_requests()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if signum == AT_ONCE:  # the cause now, whatever came before
+        if signum == getattr(signal, "SIGQUIT", None):  # at once, the cause whatever came first
             _received.clear()
             handler = self.previous[signum]
             (handler if callable(handler) else _exit_at_once)(signum, frame)
