@@ -1,13 +1,13 @@
 """Lose no work: a stop signal saves the exact step, and the same command continues from it.
 
 - the sampler deals the rest of a stopped epoch, as indices, to the same or another world size;
-- ``StopRequest``: the first signal only asks, all ranks agree on the step (also one step late,
-  as under NCCL), a second signal half a second on stops at once;
+- ``StopRequest``: a signal only asks, all ranks agree on the step (also one step late, as under
+  NCCL); copies of it are the same stop, however late handled; SIGQUIT stops at once;
 - end to end (torchrun, 2 gloo ranks; signals sent by ``STOPPER`` at an exact optimizer step):
-  SIGTERM to one rank, to torchrun (loader workers, gradient accumulation), in an evaluation,
-  twice; then the same command ends with the weights and momentum of an uninterrupted run,
-  tensor for tensor. A run stopped on 2 processes continues on 1.
-"""
+  SIGTERM to one rank, to torchrun (loader workers, gradient accumulation), in an evaluation, a
+  copy handled after a long C call, to every process group during long steps; then the same
+  command ends with the weights and momentum of an uninterrupted run, tensor for tensor. A run
+  stopped on 2 processes continues on 1. SIGQUIT ends a run at once, its last save untouched."""
 
 from __future__ import annotations
 
