@@ -84,7 +84,8 @@ def launch(args: argparse.Namespace) -> None:
                 os.kill(process.pid, signum)
 
     for signum in STOP_SIGNALS:
-        signal.signal(signum, forward)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored stays ignored (nohup ... &)
+            signal.signal(signum, forward)
     try:
         while not context.join():
             pass

@@ -3,9 +3,9 @@
     guarded(main, args, rerun_hint=lambda: "run the same command again")
 
 - A user's mistake (``UserError``: flags, data, files) is one ``error: ...`` line, exit code 2.
-- A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2) unwinds like a KeyboardInterrupt: every
+- A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2, Ctrl-\\) unwinds like a KeyboardInterrupt: every
   ``finally`` runs, nothing is left behind; exit code 128 + the signal and one line saying how
-  to continue. In training (``stop_requests()``) the first only asks to stop: :class:`StopRequest`.
+  to continue. In training (``stop_requests()``) all but SIGQUIT ask to stop: :class:`StopRequest`.
 - torch's run failures (a lost peer, a collective past ``--dist-timeout``, a DataLoader worker
   dead or silent, a full disk) are torch's first line plus how to continue, exit code 1.
   Anything else is a bug and keeps its traceback.
@@ -23,7 +23,6 @@ import multiprocessing.util  # its exit hook first: ours (registered after it) r
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -33,11 +32,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("train")
 EXIT_USER_ERROR = 2
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
-                     if hasattr(signal, name))  # Windows has neither SIGUSR
-# A signal this soon after the first is the same stop, passed on: torchrun under srun gets
-# SLURM's SIGTERM and forwards it to ranks that got it too.
-SAME_STOP_S = 0.5
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2",
+                     "SIGQUIT") if hasattr(signal, name))  # Windows lacks SIGUSR1/2, SIGQUIT
 _received: list[int] = []  # the stop signals this process got, in order: the first is the cause
 
 
@@ -96,8 +92,8 @@ def signals_deferred() -> Iterator[None]:
     pending: list[int] = []
     with stop_signals_to(lambda signum, frame: pending.append(signum)):
         yield
-    if pending:
-        signal.raise_signal(pending[0])  # now the usual handler takes it
+    for signum in pending:  # now the usual handler takes them (a SIGQUIT after a SIGTERM too)
+        signal.raise_signal(signum)
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -123,29 +119,31 @@ def _end_loader_workers() -> None:
 class StopRequest:
     """Within :func:`stop_requests`: the first stop signal a rank gets only sets :attr:`signum`;
     training goes on to an optimizer step at which all ranks agree to stop (:meth:`poll`), saves
-    there and exits. A second signal, from half a second on, stops at once. As often only some
-    ranks are signalled (``kill`` of one pid), every rank all-reduces its flag (MAX) after each
-    step, on the CPU (gloo; under NCCL a group of its own, whose answer is read a step later, so
-    the host waits neither for the GPU nor for the network)."""
+    there and exits. Repeats are that stop (torchrun, srun, a terminal pass copies on, handled
+    seconds apart after a long C call); SIGQUIT (Ctrl-\\) stops at once, without the save. As
+    often only some ranks are signalled (``kill`` of one pid), every rank all-reduces its flag
+    (MAX) after each step, on the CPU (gloo; under NCCL a group of its own, whose answer is read
+    a step later, so the host waits neither for the GPU nor for the network)."""
 
     def __init__(self) -> None:
         self.signum = 0  # the first stop signal this rank got, or 0
         self.agreed = 0  # the signal all ranks agreed to stop on, or 0
-        self._first_at = 0.0
         self._group: Any = None
         self._lag = 0  # steps between an all-reduce and reading its answer
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self.previous: dict[int, Any] = {}  # the handlers before stop_requests()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if not self.signum:
-            self.signum, self._first_at = signum, time.monotonic()
-            _received.append(signum)
-            log.warning("%s: stopping after an optimizer step all ranks agree on, once it is "
-                        "saved (a second signal stops at once)", signal.Signals(signum).name)
-        elif time.monotonic() - self._first_at > SAME_STOP_S:  # stop at once, as outside training
+        if signum == getattr(signal, "SIGQUIT", None):  # at once, the cause whatever came first
+            _received.clear()
             handler = self.previous[signum]
             (handler if callable(handler) else _exit_at_once)(signum, frame)
+        elif not self.signum:
+            self.signum = signum
+            _received.append(signum)
+            log.warning("%s: stopping after an optimizer step all ranks agree on, once it is "
+                        "saved (Ctrl-\\ or kill -QUIT stops at once, without saving)",
+                        signal.Signals(signum).name)
 
     def _answer(self, keep: int) -> int:
         agreed = 0

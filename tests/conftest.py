@@ -37,6 +37,13 @@ sys.path.insert(0, str(ROOT))
 
 from utils import make_demo_data  # noqa: E402
 
+# A shell without job control starts a command in the background with SIGINT and SIGQUIT ignored
+# (POSIX), and a process keeps an ignored signal ignored (nohup ... &): so would every process a
+# test starts. Tests signal them as from a terminal: give them a terminal's dispositions (a
+# handler here becomes the default in a child after exec).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
 LAUNCH = "train_multi_gpu_using_launch.py"
 SPAWN = "train_multi_gpu_using_spawn.py"
 REFERENCE_EPOCHS = 3
@@ -487,9 +494,11 @@ def probe(tmp_path) -> SimpleNamespace:
 STOPPER = r"""
 # After this process's $STOP_AFTER-th optimizer step (or in its $STOP_AFTER-th evaluate(), with
 # STOP_IN=eval), on rank $STOP_RANK (default 0) and only in a run's first attempt, sends
-# $STOP_SIGNAL (default SIGTERM) to $STOP_TARGET: "self", "parent" (torchrun, which passes it
-# on to every rank), "twice" (self, and again 0.6 s later) or "kill" (SIGKILL to self).
-import os, signal, time
+# $STOP_SIGNAL (default SIGTERM; "A,B": each in turn) to $STOP_TARGET: "self", "parent" (torchrun,
+# which passes it on to every rank), "late" (self, then SIGTERM again during a C call of over a
+# second, as in a long backward(): its handler runs after it) or "kill" (SIGKILL to self).
+import os, signal, sys, threading, time
+import torch
 import multi_train_utils.train_eval_utils as _loop
 
 _armed = [os.environ.get("RANK", "0") == os.environ.get("STOP_RANK", "0")
@@ -498,14 +507,20 @@ _steps, _evals, _in_eval = [0], [0], os.environ.get("STOP_IN") == "eval"
 
 def _fire():
     _armed[0] = False
-    sig = getattr(signal, os.environ.get("STOP_SIGNAL", "SIGTERM"))
     target = os.environ.get("STOP_TARGET", "self")
     if target == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    os.kill(os.getppid() if target == "parent" else os.getpid(), sig)
-    if target == "twice":
-        time.sleep(0.6)
-        os.kill(os.getpid(), sig)
+    for name in os.environ.get("STOP_SIGNAL", "SIGTERM").split(","):  # each handled in turn
+        os.kill(os.getppid() if target == "parent" else os.getpid(), getattr(signal, name))
+    if target == "late":
+        eye = torch.eye(1000)
+        started = time.perf_counter()
+        torch.mm(eye, eye)
+        calls = int(1.2 / (time.perf_counter() - started)) + 2  # a C call of ~1.2 s
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.perf_counter()
+        torch.linalg.multi_dot([eye] * calls)
+        print(f"stopper: a C call of {time.perf_counter() - started:.2f}s", file=sys.stderr)
 
 _step, _evaluate = _loop._optimizer_step, _loop.evaluate
 

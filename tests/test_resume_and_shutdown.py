@@ -441,6 +441,23 @@ def test_sigint_to_the_spawn_launcher_stops_every_process(tiny_data, tmp_path, l
     assert load_ckpt(out / "checkpoint.pth")["epoch"] >= 0
 
 
+def test_a_launcher_started_with_sigint_ignored_keeps_it_ignored(tiny_data, tmp_path, launched):
+    """As a script's ``nohup ... &`` starts it: SIGINT and SIGQUIT arrive ignored and stay so in
+    the launcher and its ranks (as CPython does); SIGTERM still stops the run cleanly."""
+    out = tmp_path / "run"
+    tree = launched(["sh", "-c", 'trap "" INT QUIT; exec "$@"', "sh", sys.executable, SPAWN,
+                     "--world-size", "2", *flags(tiny_data, out, "--epochs", "50")])
+    tree.wait_for(lambda: "[train epoch 0] step 2/5" in tree.output(), "step 2")
+    for signum in (signal.SIGINT, signal.SIGQUIT):
+        os.killpg(tree.proc.pid, signum)  # as a terminal would: the launcher and its ranks
+    tree.wait_for(epochs_done(out, 1), "epoch 0's end")  # trains on
+    tree.proc.send_signal(signal.SIGTERM)
+    tree.wait_all_gone(timeout=60)
+    output = tree.output()
+    assert tree.proc.returncode == 143, output[-3000:]
+    assert "interrupted by SIGTERM" in output and "SIGINT" not in output, output[-3000:]
+
+
 def test_the_spawn_launcher_stops_all_when_a_child_dies_and_names_it(tiny_data, tmp_path,
                                                                      launched):
     out = tmp_path / "Run"  # capitals: the line must give the folder as it is
