@@ -23,6 +23,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,10 +33,25 @@ import torch.nn as nn
 from model import get_model
 from multi_train_utils.checkpoint import save_checkpoint
 from multi_train_utils.distributed_utils import cleanup, find_free_port, init_distributed_mode
-from multi_train_utils.strategy import local_bytes, shard_model
+from multi_train_utils.strategy import shard_model
 
 from .common import quiet_train_one_epoch, synthetic_batches
 from .scaling import barrier, rank_environment
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds of the parameters, their gradients and the optimizer state
+    (for FSDP the local shards of each ``DTensor``): what docs/strategies.md tabulates."""
+    def size(tensors: Iterable[torch.Tensor]) -> int:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensor
+        return sum(t.numel() * t.element_size() for t in local)
+
+    params = list(model.parameters())
+    state = [v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
+             if torch.is_tensor(v) and v.dim() > 0]  # not SGD's/Adam's scalar step counts
+    return {"parameters": size(params),
+            "gradients": size(p.grad for p in params if p.grad is not None),
+            "optimizer": size(state)}
 
 log = logging.getLogger(__name__)
 MIB = 2**20

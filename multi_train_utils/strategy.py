@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -178,19 +178,3 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     else:
         with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
             yield
-
-
-def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds of the parameters, their gradients and the optimizer state
-    (for FSDP the local shards of each ``DTensor``): what ``docs/strategies.md`` tabulates."""
-    def size(tensors: Iterable[torch.Tensor]) -> int:
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensor
-        return sum(t.numel() * t.element_size() for t in local)
-
-    params = list(model.parameters())
-    state = [v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
-             if torch.is_tensor(v) and v.dim() > 0]  # not SGD's/Adam's scalar step counts
-    return {"parameters": size(params),
-            "gradients": size(p.grad for p in params if p.grad is not None),
-            "optimizer": size(state)}
-

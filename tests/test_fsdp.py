@@ -37,12 +37,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from conftest import (LAUNCH, SPAWN, ProcessTree, assert_same_tensors, assert_user_error,
                       clone_run, epochs_done, flags, load_ckpt, make_stopper, read_metrics, run,
                       torchrun_cmd)
+from benchmarks.fsdp import local_bytes
 from dist_helpers import run_ranks
 from model import Bottleneck, ResNet, get_model
 from multi_train_utils.checkpoint import (_prune_shards, extract_state_dict, load_file,
                                           save_atomic, whole_state)
 from multi_train_utils.run_folder import move_earlier_run
-from multi_train_utils.strategy import (RESIDUAL_BLOCKS, gradient_sync, load_shards, local_bytes,
+from multi_train_utils.strategy import (RESIDUAL_BLOCKS, gradient_sync, load_shards,
                                         read_shards, save_shards, shard_model)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
