@@ -214,6 +214,7 @@ def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(env, fake_gpus)
     calls = []
     env.setattr(torch.cuda, "device_count", lambda: 1)
     env.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    env.setattr(du.HEARTBEAT, "start", lambda *args: None)  # no group: nothing to beat to
     _set(env, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="3", CUDA_VISIBLE_DEVICES="3",
          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     args = argparse.Namespace(device="cuda")
@@ -224,7 +225,7 @@ def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(env, fake_gpus)
     (backend, kwargs), = calls
     assert (backend, kwargs["device_id"], kwargs["init_method"]) == \
         ("nccl", torch.device("cuda", 0), "env://")
-    assert kwargs["timeout"] == datetime.timedelta(seconds=du.DEFAULT_TIMEOUT_S)
+    assert kwargs["timeout"] == datetime.timedelta(seconds=du.LIMITS_S[0])
     du.init_distributed_mode(device="cpu", timeout_s=5)
     assert calls[-1][0] == "gloo" and calls[-1][1]["device_id"] is None
     assert calls[-1][1]["timeout"] == datetime.timedelta(seconds=5)

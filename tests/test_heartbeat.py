@@ -1,0 +1,78 @@
+"""A stuck rank is named with where it was, its group restarts from the last save, and a slow
+rank is named as the slowest (torchrun, 2 CPU processes, gloo)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+from conftest import LAUNCH, flags, proc_env, torchrun_cmd
+
+
+def _rank_pid(tree, rank: int) -> int:
+    """The pid of training rank ``rank`` of a torchrun tree (its RANK variable says which)."""
+    tree.wait_for(lambda: any(proc_env(p).get("RANK") == str(rank) for p in tree.children()),
+                  f"rank {rank}")
+    return next(p for p in tree.children() if proc_env(p).get("RANK") == str(rank))
+
+
+def test_a_frozen_rank_is_named_and_the_restarted_group_continues_mid_epoch(tiny_data, tmp_path,
+                                                                          launched):
+    """Rank 1 frozen (SIGSTOP) after epoch 1's second step, saved every 2 steps: rank 0 names it
+    with its pid, epoch and step after --dist-timeout; the frozen process is gone at once, so
+    torchrun --max-restarts 1 restarts the group within the timeout plus a few seconds; the new
+    group continues from the mid-epoch save and finishes."""
+    out, timeout = tmp_path / "run", 15
+    argv = flags(tiny_data, out, "--epochs", "3", "--save-every-steps", "2",
+                 "--dist-timeout", str(timeout))
+    tree = launched(torchrun_cmd(2, "--max-restarts=1", LAUNCH, *argv))
+    frozen = _rank_pid(tree, 1)
+    tree.wait_for(lambda: "[train epoch 1] step 2/" in tree.output(), "epoch 1, step 2")
+    os.kill(frozen, signal.SIGSTOP)  # a hung machine: connected, never answering
+    stopped = time.monotonic()
+    tree.wait_for(lambda: "resuming from epoch 1" in tree.output(), "the restart", timeout=90)
+    restarted_after = time.monotonic() - stopped
+    assert tree.wait_exit(240) == 0, tree.output()[-4000:]
+    output = tree.output()
+    assert not tree.alive_seen()
+    (line,) = [line for line in output.splitlines() if "stopped answering" in line]
+    assert re.search(rf"error: rank 1 \(host [^,]+, pid {frozen}\) stopped answering \d+ s ago "
+                     r"at epoch 1, step [2-5] of 5 \((loading data|forward/backward)\); run the "
+                     "same command again", line), line
+    assert re.search(r"resuming from epoch 1, step [1-5] of 5\n", output), output[-4000:]
+    assert restarted_after < timeout + 20, f"restarted {restarted_after:.0f}s after the freeze"
+
+
+def test_a_rank_slowed_down_is_named_as_the_slowest(tiny_data, tmp_path, launched):
+    """Rank 1 stopped 3/4 of every 80 ms: rank 0's log lines name it, never rank 0."""
+    out = tmp_path / "run"
+    tree = launched(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "2",
+                                                   "--print-freq", "1")))
+    slow = _rank_pid(tree, 1)
+    tree.wait_for(lambda: "[train epoch 0] step 1/" in tree.output(), "the first step")
+    done = threading.Event()
+
+    def duty_cycle() -> None:
+        try:
+            while not done.is_set():
+                os.kill(slow, signal.SIGSTOP)
+                time.sleep(0.06)
+                os.kill(slow, signal.SIGCONT)
+                time.sleep(0.02)
+        except ProcessLookupError:  # it has finished
+            pass
+
+    thread = threading.Thread(target=duty_cycle, daemon=True)
+    thread.start()
+    try:
+        code = tree.wait_exit(240)
+    finally:
+        done.set()
+        thread.join()
+    output = tree.output()
+    assert code == 0, output[-4000:]
+    named = re.findall(r"rank (\d) is the slowest: ([\d.]+)x", output)
+    assert named and {rank for rank, _ in named} == {"1"}, output[-4000:]
