@@ -23,7 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-SLOW_PHASES = ("starting", "evaluating", "saving")  # then "loading data", "forward/backward"
+SLOW_PHASES = ("starting", "evaluating", "saving")  # a step: "loading data", forward, backward
+OWN_PHASES = ("loading data", "forward")  # no wait for the others in them (but SyncBatchNorm's)
 STALE_S = 5.0  # no beat for this long: the process is not running (frozen, or its host is gone)
 
 
@@ -32,7 +33,7 @@ class Heartbeat:
         self.store: Any = None
         self.place: dict[str, Any] = {}
         self.limits = (0.0, 0.0)  # seconds a collective waits: after a slow phase, else
-        self.loading = 0.0  # seconds this rank waited for its batches since work() was read
+        self.own = 0.0  # seconds in OWN_PHASES since work() was read
         self._fast_in = 0  # steps until the short limit applies
         self._read_at = time.monotonic()
         self._stop = threading.Event()
@@ -50,28 +51,28 @@ class Heartbeat:
         self.store = None
 
     def at(self, phase: str, **where: Any) -> None:
-        """This rank is now in ``phase`` (of ``SLOW_PHASES``, "loading data", "forward/backward")
-        at ``where`` (epoch, step, steps): a dict made, a clock read; the thread writes it."""
+        """This rank is now in ``phase`` (of ``SLOW_PHASES``, "loading data", "forward",
+        "backward") at ``where`` (epoch, step, steps): a dict made, a clock read."""
         if self.store is None:
             return
         now, before = time.monotonic(), self.place
-        if before.get("phase") == "loading data":
-            self.loading += now - before["since"]
+        if before.get("phase") in OWN_PHASES:
+            self.own += now - before["since"]
         self.place = {**before, **where, "phase": phase, "since": now, "wall": time.time()}
         if phase in SLOW_PHASES:  # the others may wait for this rank's work, or it for theirs
             self._fast_in = 2
             dist.set_timeout(datetime.timedelta(seconds=self.limits[0]))
-        elif phase == "forward/backward" and self._fast_in:
+        elif phase == "forward" and self._fast_in:
             self._fast_in -= 1  # the step after the slow phase met every rank: back to short
             if not self._fast_in:
                 dist.set_timeout(datetime.timedelta(seconds=self.limits[1]))
 
     def work(self) -> tuple[float, float]:
-        """Seconds this rank waited for its batches (its own work, never a wait for the others),
-        and seconds in all, since the last call."""
-        now, waited, self.loading = time.monotonic(), self.loading, 0.0
+        """Seconds this rank spent loading data and in forward passes (its own work, not a wait
+        for the others, but with ``--sync-bn``), and seconds in all, since the last call."""
+        now, own, self.own = time.monotonic(), self.own, 0.0
         seconds, self._read_at = now - self._read_at, now
-        return waited, seconds
+        return own, seconds
 
     def _beat(self, stopped: threading.Event) -> None:
         key, pid = f"ddp-template/heartbeat/{self.rank}", os.getpid()
@@ -133,7 +134,7 @@ def slowest(work: list[float], seconds: float) -> str:
     if work[rank] < 1.5 * median or work[rank] - median < 0.02 * seconds:
         return ""
     return (f"rank {rank} is the slowest: {work[rank] / max(median, 1e-9):.1f}x the median "
-            "rank's time waiting for its batches, which every step waits for")
+            "rank's time loading data and in forward passes, which every step waits for")
 
 
 HEARTBEAT = Heartbeat()

@@ -239,7 +239,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         seen += labels.shape[0]
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)
-        HEARTBEAT.at("forward/backward", step=first + step + 1)
+        HEARTBEAT.at("forward", step=first + step + 1)
         if step == 0 and labels.is_floating_point():
             _check_probabilities(labels)  # once: the check syncs the host
         # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
@@ -254,6 +254,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             # Mean over the micro-batches of this step; the epoch's last group may be shorter
             # than K, and a fixed / K would shrink its step.
             scaled = loss / min(grad_accum_steps, steps - (step - step % grad_accum_steps))
+            HEARTBEAT.at("backward")
             scaler.scale(scaled).backward()
         totals += torch.stack([loss.detach().double() * n_valid, n_valid.double()])
         if last_micro:
@@ -281,7 +282,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
 
 def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> tuple[float, str]:
     """The mean loss over every rank's samples so far (a non-finite one raises on every rank),
-    and in the same all-reduce each rank's time waiting for its batches: the slowest, named."""
+    and in the same all-reduce each rank's own work (loading, forward): the slowest, named."""
     waits = torch.zeros(get_world_size(), dtype=torch.float64)
     waits[get_rank()], seconds = HEARTBEAT.work()
     loss_sum, count, *waited = reduce_value(torch.cat([totals, waits.to(totals.device)]),

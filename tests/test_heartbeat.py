@@ -21,36 +21,38 @@ def _rank_pid(tree, rank: int) -> int:
 
 def test_a_frozen_rank_is_named_and_the_restarted_group_continues_mid_epoch(tiny_data, tmp_path,
                                                                           launched):
-    """Rank 1 frozen (SIGSTOP) after epoch 1's second step, saved every 2 steps: rank 0 names it
-    with its pid, epoch and step after --dist-timeout; the frozen process is gone at once, so
-    torchrun --max-restarts 1 restarts the group within the timeout plus a few seconds; the new
-    group continues from the mid-epoch save and finishes."""
+    """Rank 1 frozen (SIGSTOP) after the second step, saved every 2 steps: rank 0 names it with
+    its pid, epoch and step after --dist-timeout, and both processes are gone within the timeout
+    and a few seconds (torchrun would wait 30 s more for a process that cannot take SIGTERM);
+    torchrun --max-restarts 1 restarts the group, which continues from the mid-epoch save."""
     out, timeout = tmp_path / "run", 15
-    argv = flags(tiny_data, out, "--epochs", "3", "--save-every-steps", "2",
+    argv = flags(tiny_data, out, "--epochs", "1", "--save-every-steps", "2",
                  "--dist-timeout", str(timeout))
     tree = launched(torchrun_cmd(2, "--max-restarts=1", LAUNCH, *argv))
     frozen = _rank_pid(tree, 1)
-    tree.wait_for(lambda: "[train epoch 1] step 2/" in tree.output(), "epoch 1, step 2")
+    first_group = [p for p in tree.seen if p[0] in tree.children()]
+    tree.wait_for(lambda: "[train epoch 0] step 2/" in tree.output(), "step 2")
     os.kill(frozen, signal.SIGSTOP)  # a hung machine: connected, never answering
     stopped = time.monotonic()
-    tree.wait_for(lambda: "resuming from epoch 1" in tree.output(), "the restart", timeout=90)
-    restarted_after = time.monotonic() - stopped
+    tree.wait_for(lambda: not any(map(tree.alive, first_group)), "the first group's end")
+    gone_after = time.monotonic() - stopped
     assert tree.wait_exit(240) == 0, tree.output()[-4000:]
     output = tree.output()
     assert not tree.alive_seen()
     (line,) = [line for line in output.splitlines() if "stopped answering" in line]
     assert re.search(rf"error: rank 1 \(host [^,]+, pid {frozen}\) stopped answering \d+ s ago "
-                     r"at epoch 1, step [2-5] of 5 \((loading data|forward/backward)\); run the "
+                     r"at epoch 0, step [2-5] of 5 \([a-z ]+\); run the "
                      "same command again", line), line
-    assert re.search(r"resuming from epoch 1, step [1-5] of 5\n", output), output[-4000:]
-    assert restarted_after < timeout + 20, f"restarted {restarted_after:.0f}s after the freeze"
+    assert re.search(r"resuming from epoch 0, step [2-4] of 5\n", output), output[-4000:]
+    assert gone_after < timeout + 10, f"the ranks ended {gone_after:.0f}s after the freeze"
 
 
 def test_a_rank_slowed_down_is_named_as_the_slowest(tiny_data, tmp_path, launched):
-    """Rank 1 stopped 3/4 of every 80 ms: rank 0's log lines name it, never rank 0."""
+    """Rank 1 stopped 3/4 of every 80 ms: rank 0's log lines name it, never rank 0 (without
+    SyncBatchNorm, whose forward waits for the other ranks)."""
     out = tmp_path / "run"
-    tree = launched(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "2",
-                                                   "--print-freq", "1")))
+    tree = launched(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "1",
+                                                   "--print-freq", "1", "--no-sync-bn")))
     slow = _rank_pid(tree, 1)
     tree.wait_for(lambda: "[train epoch 0] step 1/" in tree.output(), "the first step")
     done = threading.Event()
