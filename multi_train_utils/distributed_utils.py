@@ -163,8 +163,7 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
         timeout = datetime.timedelta(seconds=limits[0])
         if backend == "nccl" and trace_dir:  # each rank's last collectives, dumped on a timeout
             os.makedirs(trace := os.path.join(trace_dir, "flight_recorder"), exist_ok=True)
-            if "TORCH_FR_BUFFER_SIZE" not in os.environ:  # its newer name
-                os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(trace, "rank_"))
         # The rendezvous waits in C++, where Python's handlers would run only at its timeout,

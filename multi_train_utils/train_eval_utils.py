@@ -283,16 +283,16 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
 def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> tuple[float, str]:
     """The mean loss over every rank's samples so far (a non-finite one raises on every rank),
     and in the same all-reduce each rank's own work (loading, forward): the slowest, named."""
-    waits = torch.zeros(get_world_size(), dtype=torch.float64)
-    waits[get_rank()], seconds = HEARTBEAT.work()
-    loss_sum, count, *waited = reduce_value(torch.cat([totals, waits.to(totals.device)]),
-                                            average=False).tolist()
+    work = torch.zeros(get_world_size(), dtype=torch.float64)
+    work[get_rank()] = HEARTBEAT.work()
+    loss_sum, count, *work = reduce_value(torch.cat([totals, work.to(totals.device)]),
+                                          average=False).tolist()
     mean_loss = loss_sum / count if count else float("nan")
     if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
         raise FloatingPointError(
             f"loss is {mean_loss} at epoch {epoch} step {step} (checked every {print_freq} "
             "steps); lower the learning rate (--lr) or check the data.")
-    return mean_loss, slowest(waited, seconds)
+    return mean_loss, slowest(work)
 
 
 def _forward(model: nn.Module, images: torch.Tensor) -> Any:
