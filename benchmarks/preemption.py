@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from multi_train_utils.checkpoint import save_checkpoint
@@ -58,14 +57,14 @@ def preemption_worker(local_rank: int, args: argparse.Namespace, nprocs: int, po
                                     pin=device.type == "cuda")
         quiet_train_one_epoch(model, optimizer, batches[:args.warmup_steps], device, args, scaler)
         seconds: dict[str, list[float]] = {"without": [], "with": [], "heartbeat": []}
-        store, limits = dist.distributed_c10d._get_default_store(), HEARTBEAT.limits
+        limits = HEARTBEAT.limits
         with stop_requests() as stop:
             for repeat in range(args.repeats):
                 order = ("without", "with", "heartbeat")
                 for name in order if repeat % 2 == 0 else order[::-1]:
                     HEARTBEAT.stop()
                     if name == "heartbeat":
-                        HEARTBEAT.start(store, info.rank, info.world_size, limits)
+                        HEARTBEAT.start(info.rank, info.world_size, limits)
                     barrier(info)
                     start = time.perf_counter()
                     quiet_train_one_epoch(model, optimizer, batches, device, args, scaler,
@@ -73,7 +72,7 @@ def preemption_worker(local_rank: int, args: argparse.Namespace, nprocs: int, po
                                           else None)
                     seconds[name].append(time.perf_counter() - start)
         calls = 10_000  # the loop's part alone: three calls a step
-        HEARTBEAT.start(store, info.rank, info.world_size, limits)
+        HEARTBEAT.start(info.rank, info.world_size, limits)
         start = time.perf_counter()
         for step in range(calls):
             HEARTBEAT.at("forward", step=step)

@@ -175,7 +175,7 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
                                     store=store, rank=rank, world_size=world_size,
                                     timeout=timeout, device_id=dev if dev.type == "cuda" else None)
         info = DistInfo(rank, local_rank, world_size, dev, backend)
-        HEARTBEAT.start(dist.distributed_c10d._get_default_store(), rank, world_size, limits)
+        HEARTBEAT.start(rank, world_size, limits)
     if args is not None:
         args.rank, args.world_size, args.dist_backend = info.rank, info.world_size, info.backend
         args.gpu = dev.index if dev.type == "cuda" else local_rank

@@ -30,9 +30,11 @@ class Heartbeat:
         self.store, self.place, self._stop = None, {}, threading.Event()
         self.own = 0.0  # seconds in OWN_PHASES since work() was read
 
-    def start(self, store: Any, rank: int, world_size: int, limits: tuple[float, float]) -> None:
-        """``limits``: seconds a collective waits after a slow phase, and else."""
+    def start(self, rank: int, world_size: int, limits: tuple[float, float]) -> None:
+        """Beat into the default group's store; ``limits``: seconds a collective waits after a
+        slow phase, and else."""
         self.stop()
+        store = dist.distributed_c10d._get_default_store()  # torchrun's, or init_process_group's
         self.store, self.rank, self.world_size, self.limits = store, rank, world_size, limits
         self.node, self._stop, self._fast_in = socket.gethostname(), threading.Event(), 0
         with contextlib.suppress(OSError):  # a pid names this process in its namespace only
