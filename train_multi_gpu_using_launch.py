@@ -271,9 +271,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                        help="auto: CUDA if available (NCCL), else CPU (gloo)")
     group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
-    group.add_argument("--dist-timeout", type=positive,
-                       help="seconds a collective waits for a peer (default: 600 at start, "
-                            "evaluation and saves, 120 for steps)")
+    group.add_argument("--dist-timeout", type=positive, help="seconds a collective waits for a "
+                       "peer (default: 600 at start-up, evaluation and saves; 120 a step)")
     group.add_argument("--world-size", "--world_size", type=count,
                        help="processes (spawn launcher; elsewhere the launcher decides)")
     group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
