@@ -161,11 +161,13 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
         backend = "nccl" if dev.type == "cuda" else "gloo"
         limits = (timeout_s, timeout_s) if timeout_s else LIMITS_S
         timeout = datetime.timedelta(seconds=limits[0])
-        if backend == "nccl" and trace_dir:  # each rank's last collectives, dumped on a timeout
+        # PyTorch's flight recorder: each rank's last collectives, dumped on a timeout, unless
+        # set up already (TORCH_FR_*, or the older TORCH_NCCL_TRACE_BUFFER_SIZE and kin).
+        set_up = any(re.match(r"TORCH_(FR|NCCL_(TRACE|DUMP|DEBUG_INFO))_", k) for k in os.environ)
+        if backend == "nccl" and trace_dir and not set_up:
             os.makedirs(trace := os.path.join(trace_dir, "flight_recorder"), exist_ok=True)
-            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(trace, "rank_"))
+            os.environ.update(TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+                              TORCH_FR_DUMP_TEMP_FILE=os.path.join(trace, "rank_"))
         # The rendezvous waits in C++, where Python's handlers would run only at its timeout,
         # if the peers never come: a stop signal ends it at once (nothing is written yet).
         with stop_signals_to(signal.SIG_DFL):

@@ -28,11 +28,10 @@ STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its
 class Heartbeat:
     def __init__(self) -> None:
         self.store, self.place, self._stop = None, {}, threading.Event()
-        self.own = 0.0  # seconds in OWN_PHASES since work() was read
+        self.own = 0.0  # seconds in OWN_PHASES since a log line read it
 
     def start(self, rank: int, world_size: int, limits: tuple[float, float]) -> None:
-        """Beat into the default group's store; ``limits``: seconds a collective waits after a
-        slow phase, and else."""
+        """``limits``: seconds a collective waits after a slow phase, and else."""
         self.stop()
         store = dist.distributed_c10d._get_default_store()  # torchrun's, or init_process_group's
         self.store, self.rank, self.world_size, self.limits = store, rank, world_size, limits
@@ -58,10 +57,6 @@ class Heartbeat:
             self._fast_in = 2 if phase in SLOW_PHASES else self._fast_in - 1
             dist.set_timeout(datetime.timedelta(seconds=self.limits[self._fast_in == 0]))
 
-    def work(self) -> float:
-        own, self.own = self.own, 0.0
-        return own
-
     def _beat(self, store: Any, stopped: threading.Event) -> None:
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "node": self.node}
         with contextlib.suppress(Exception):  # the store's host is gone: the run is ending
@@ -75,10 +70,7 @@ class Heartbeat:
         it is ended, as a frozen process cannot take the launcher's SIGTERM) or elsewhere."""
         names, now = [], time.time()
         with contextlib.suppress(Exception):  # no store any more: torch's own message then
-            store = self.store
-            while store is not None:  # each layer's own timeout: the store's host may be frozen
-                store.set_timeout(datetime.timedelta(seconds=5))
-                store = getattr(store, "underlying_store", None)
+            self.store.set_timeout(datetime.timedelta(seconds=5))  # its host may be frozen
             for rank in (r for r in range(self.world_size) if r != self.rank):
                 peer = json.loads(self.store.get(f"heartbeat/{rank}"))
                 quiet = now - peer["beat"]

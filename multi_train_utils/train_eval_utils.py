@@ -284,7 +284,7 @@ def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> 
     """The mean loss over every rank's samples so far (a non-finite one raises on every rank),
     and in the same all-reduce each rank's own work (loading, forward): the slowest, named."""
     work = torch.zeros(get_world_size(), dtype=torch.float64)
-    work[get_rank()] = HEARTBEAT.work()
+    work[get_rank()], HEARTBEAT.own = HEARTBEAT.own, 0.0
     loss_sum, count, *work = reduce_value(torch.cat([totals, work.to(totals.device)]),
                                           average=False).tolist()
     mean_loss = loss_sum / count if count else float("nan")

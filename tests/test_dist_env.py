@@ -231,6 +231,29 @@ def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(env, fake_gpus)
     assert calls[-1][1]["timeout"] == datetime.timedelta(seconds=5)
 
 
+def test_on_cuda_the_flight_recorder_dumps_into_the_run_folder_unless_set_up(env, fake_gpus,
+                                                                            tmp_path):
+    """NCCL runs get PyTorch's flight recorder (each rank's last collectives, dumped on a
+    timeout) into <output-dir>/flight_recorder/; a user's own TORCH_FR_* settings are kept."""
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")
+    for name in names:  # monkeypatch restores what the code sets
+        env.setenv(name, "")
+        env.delenv(name)
+    env.setattr(dist, "init_process_group", lambda backend, **kw: None)
+    env.setattr(du.HEARTBEAT, "start", lambda *args: None)
+    _set(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+         MASTER_PORT="29500")
+    du.init_distributed_mode(device="cuda", trace_dir=str(tmp_path / "run"))
+    assert [os.environ[name] for name in names] == [
+        "2000", "1", str(tmp_path / "run" / "flight_recorder" / "rank_")]
+    assert (tmp_path / "run" / "flight_recorder").is_dir()
+    for name in names:
+        env.delenv(name)
+    env.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")  # the older name: the user's choice
+    du.init_distributed_mode(device="cuda", trace_dir=str(tmp_path / "other"))
+    assert not any(name in os.environ for name in names) and not (tmp_path / "other").exists()
+
+
 # ---------------------------------------------------------------- torchrun restarts
 def test_restarted_ranks_meet_in_the_keys_of_their_own_start(env):
     """After ``torchrun --max-restarts`` the agent store still holds the dead start's gloo
