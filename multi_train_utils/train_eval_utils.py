@@ -273,7 +273,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                          "process  eta %d:%02d", epoch, first + step + 1, first + steps,
                          mean_loss, lr, seen / elapsed, eta // 60, eta % 60)
             if slow and is_main_process():
-                log.warning("[train epoch %d] %s", epoch, slow)
+                log.info("[train epoch %d] %s", epoch, slow)
         if progress.stopped:
             break
         HEARTBEAT.at("loading data", step=min(first + step + 2, first + steps))
