@@ -28,8 +28,8 @@ STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its
 
 class Heartbeat:
     def __init__(self) -> None:
-        self.store, self.place, self._stop = None, {}, threading.Event()
-        self.own = 0.0  # seconds in OWN_PHASES since a log line read it
+        self._stop = threading.Event()
+        self.stop()  # self.own: seconds in OWN_PHASES since a log line read it
 
     def start(self, rank: int, world_size: int, limits: tuple[float, float]) -> None:
         """``limits``: seconds a collective waits after a slow phase, and else."""
@@ -45,7 +45,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        self.store = None
+        self.store, self.place, self.own = None, {}, 0.0
 
     def at(self, phase: str, **where: Any) -> None:
         """This rank is in ``phase`` now, at ``where`` (epoch, step, steps)."""
