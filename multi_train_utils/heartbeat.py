@@ -90,7 +90,7 @@ class Heartbeat:
                     if peer["node"] == self.node and quiet > self.limits[1] / 2:
                         os.kill(peer["pid"], signal.SIGKILL)
                     names.append(f"{who} stopped answering {quiet:.0f} s ago at {_where(peer)}")
-                elif _where(peer) != _where(self.place):
+                elif _where(peer) != _where(self.place) and now - peer["wall"] > STALE_S:
                     names.append(f"{who} is at {_where(peer)} for {now - peer['wall']:.0f} s")
             store.set_timeout(timeout)
         return "; ".join(names[:8] + [f"{len(names) - 8} more"] * (len(names) > 8))
