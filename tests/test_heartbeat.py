@@ -3,13 +3,18 @@ rank is named as the slowest (torchrun, 2 CPU processes, gloo)."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import re
 import signal
 import threading
 import time
 
+import torch.distributed as dist
 from conftest import LAUNCH, flags, proc_env, torchrun_cmd
+
+from multi_train_utils.heartbeat import Heartbeat, slowest
 
 
 def _rank_pid(tree, rank: int) -> int:
@@ -78,3 +83,50 @@ def test_a_rank_slowed_down_is_named_as_the_slowest(tiny_data, tmp_path, launche
     assert code == 0, output[-4000:]
     named = re.findall(r"rank (\d) is the slowest: ([\d.]+)x", output)
     assert named and {rank for rank, _ in named} == {"1"}, output[-4000:]
+
+
+class FakeStore(dict):
+    timeout = datetime.timedelta(seconds=600)
+
+    def set(self, key: str, value: str) -> None:
+        self[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self[key].encode()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.timeout = timeout
+
+
+def test_the_ranks_named_the_time_limits_and_the_slowest(monkeypatch):
+    """Without processes: who ``missing`` names (stopped answering; elsewhere for a while; not
+    one that stands here or moved a moment ago), the limit each phase sets, the slowest rank."""
+    limits: list[float] = []
+    monkeypatch.setattr(dist, "set_timeout", lambda t: limits.append(t.total_seconds()))
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", FakeStore)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    beat = Heartbeat()
+    beat.start(0, 5, (600.0, 120.0))
+    try:
+        for phase in ("loading data", "forward", "backward", "loading data", "forward"):
+            beat.at(phase, epoch=0, step=3, steps=10)
+        assert limits == [600, 600, 120]  # start-up, its next step, then the short limit
+        beat.at("saving")
+        assert limits[-1] == 600
+        now, here = time.time(), {"epoch": 0, "step": 3, "steps": 10, "phase": "saving"}
+        peers = {1: dict(here, phase="forward", beat=now - 21, wall=now - 21),
+                 2: dict(here, phase="loading data", beat=now, wall=now - 30),
+                 3: dict(here, phase="forward", beat=now, wall=now - 1), 4: dict(here, beat=now)}
+        for rank, peer in peers.items():
+            beat.store[f"heartbeat/{rank}"] = json.dumps(
+                dict(peer, wall=peer.get("wall", now), host=f"node{rank}", pid=40 + rank,
+                     node="elsewhere"))
+        assert beat.missing() == (
+            "rank 1 (host node1, pid 41) stopped answering 21 s ago at epoch 0, step 3 of 10 "
+            "(forward); rank 2 (host node2, pid 42) is at epoch 0, step 3 of 10 (loading data) "
+            "for 30 s")
+        assert beat.store.timeout == datetime.timedelta(seconds=600)  # given back
+    finally:
+        beat.stop()
+    assert slowest([1.0, 1.1, 3.3, 0.9]).startswith("rank 2 is the slowest: 3.3x the median")
+    assert slowest([1.0, 1.9]) == "" and slowest([0.0]) == ""
