@@ -1,9 +1,8 @@
 """Each rank's place (epoch, step, phase) in the rendezvous store, to name the ranks that hang.
 
-The loops call ``HEARTBEAT.at(phase, ...)`` (no I/O, no collective); a thread writes the place,
-host, pid and time to the store once a second, where a rank whose collective failed reads them.
-The group's timeout follows the phase: long at start-up, in evaluations and saves and the step
-after them (where the others wait for their end), short for every other step."""
+The loops call ``HEARTBEAT.at(phase, ...)`` (no I/O, no collective); a thread writes the place to
+the store once a second. The group's timeout follows the phase (docs/errors-and-troubleshooting.md).
+"""
 
 from __future__ import annotations
 
