@@ -27,8 +27,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from model import MODELS, freeze_backbone, get_model
 from multi_train_utils.checkpoint import (load_checkpoint, load_pretrained, recorded_defaults,
                                           restore, save_checkpoint, step_saves)
-from multi_train_utils.distributed_utils import (COMM_HOOKS, DEFAULT_TIMEOUT_S, DistInfo,
-                                                 cleanup, cpus_per_process, init_distributed_mode,
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
+                                                 cpus_per_process, init_distributed_mode,
                                                  register_comm_hook, run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
 from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
@@ -50,7 +50,7 @@ RUN_DEFAULTS = {"model": "resnet34", "img_size": 224}  # unless the run resumed 
 def main(args: argparse.Namespace) -> None:
     # 1. Processes: torchrun/srun/spawn tell each process its rank; NCCL on GPUs, gloo on CPU.
     info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
-                                 timeout_s=args.dist_timeout)
+                                 timeout_s=args.dist_timeout, trace_dir=args.output_dir)
     check_args(args, info.world_size)
     device, out, weights = info.device, Path(args.output_dir), args.weights
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
@@ -273,8 +273,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                        help="auto: CUDA if available (NCCL), else CPU (gloo)")
     group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
-    group.add_argument("--dist-timeout", type=positive, default=DEFAULT_TIMEOUT_S,
-                       help="seconds a collective waits for a peer before failing")
+    group.add_argument("--dist-timeout", type=positive, help="seconds a collective waits for a "
+                       "peer (default: 600 at start-up, evaluation and saves; 120 a step)")
     group.add_argument("--world-size", "--world_size", type=count,
                        help="processes (spawn launcher; elsewhere the launcher decides)")
     group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)

@@ -29,6 +29,7 @@ import torch.nn as nn
 from .distributed_utils import (all_gather_object, all_ranks_ok, get_world_size,
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
+from .heartbeat import HEARTBEAT
 from .strategy import is_sharded, load_shards, read_shards, save_shards
 from .train_eval_utils import EpochProgress
 
@@ -342,6 +343,7 @@ def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimize
     Under FSDP each rank writes its shards, nothing gathered, to ``shards/epoch-N[-step-S]/`` (a
     folder every rank can see), which ``checkpoint.pth`` names. ``--keep-last`` K keeps the newest
     K epochs' weights or shards; the ``final`` FSDP save also exports the weights."""
+    HEARTBEAT.at("saving")
     with signals_deferred():
         if is_sharded(model):
             tag = f"epoch-{state['epoch']}" + (f"-step-{progress.batches}" if progress else "")

@@ -24,8 +24,11 @@ import torch
 import torch.distributed as dist
 
 from .guard import UserError, stop_signals_to
+from .heartbeat import HEARTBEAT
 
-DEFAULT_TIMEOUT_S = 1800.0
+# Seconds a collective waits for a peer: start-up (a slow rank may still list its data), an
+# evaluation, a save and the step after it; any other step (docs/errors-and-troubleshooting.md).
+LIMITS_S = (600.0, 120.0)
 COMM_HOOKS = ("none", "bf16", "fp16")
 
 
@@ -127,13 +130,15 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
 
 
 def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: str = "env://",
-                          timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+                          timeout_s: float | None = None, trace_dir: str | None = None
+                          ) -> DistInfo:
     """Create the default process group if a launcher started us; return where we are.
     ``device``: ``auto`` (the local rank's GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` (one
     process); NCCL on CUDA, gloo on CPU. ``timeout_s`` bounds every collective (a dead peer is an
-    error, not a hang). As in the classic template, ``init_distributed_mode(args)`` reads
-    ``args.device``/``dist_url``/``dist_timeout`` and sets ``args.rank``, ``world_size``, ``gpu``,
-    ``distributed``, ``dist_backend``."""
+    error, not a hang; None: :data:`LIMITS_S`); NCCL's flight recorder dumps into ``trace_dir``
+    on a timeout; :mod:`.heartbeat` starts. As in the classic template, ``init_distributed_mode(
+    args)`` reads ``args.device``/``dist_url``/``dist_timeout`` and sets ``args.rank``,
+    ``world_size``, ``gpu``, ``distributed``, ``dist_backend``."""
     if args is not None:
         device = getattr(args, "device", None) or device
         dist_url = getattr(args, "dist_url", None) or dist_url
@@ -154,7 +159,15 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
         elif dist_url != "env://" and not re.fullmatch(r"tcp://[^/]+:[0-9]{1,5}", dist_url):
             raise LaunchError(f"--dist-url {dist_url!r} is not 'env://' or 'tcp://HOST:PORT'.")
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
+        limits = (timeout_s, timeout_s) if timeout_s else LIMITS_S
+        timeout = datetime.timedelta(seconds=limits[0])
+        # PyTorch's flight recorder: each rank's last collectives, dumped on a timeout, unless
+        # set up already (TORCH_FR_*, or the older TORCH_NCCL_TRACE_BUFFER_SIZE and kin).
+        set_up = any(re.match(r"TORCH_(FR|NCCL_(TRACE|DUMP|DEBUG_INFO))_", k) for k in os.environ)
+        if backend == "nccl" and trace_dir and not set_up:
+            os.makedirs(trace := os.path.join(trace_dir, "flight_recorder"), exist_ok=True)
+            os.environ.update(TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+                              TORCH_FR_DUMP_TEMP_FILE=os.path.join(trace, "rank_"))
         # The rendezvous waits in C++, where Python's handlers would run only at its timeout,
         # if the peers never come: a stop signal ends it at once (nothing is written yet).
         with stop_signals_to(signal.SIG_DFL):
@@ -164,6 +177,7 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
                                     store=store, rank=rank, world_size=world_size,
                                     timeout=timeout, device_id=dev if dev.type == "cuda" else None)
         info = DistInfo(rank, local_rank, world_size, dev, backend)
+        HEARTBEAT.start(rank, world_size, limits)
     if args is not None:
         args.rank, args.world_size, args.dist_backend = info.rank, info.world_size, info.backend
         args.gpu = dev.index if dev.type == "cuda" else local_rank
@@ -173,6 +187,7 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
 
 def cleanup() -> None:
     """Destroy the default process group if there is one (safe to call twice)."""
+    HEARTBEAT.stop()
     if is_dist_avail_and_initialized():
         dist.destroy_process_group()
         # Garbage cycles from DDP's backward hold gloo work; freed at interpreter shutdown, they

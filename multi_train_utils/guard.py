@@ -30,6 +30,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from .heartbeat import HEARTBEAT
+
 log = logging.getLogger("train")
 EXIT_USER_ERROR = 2
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2",
@@ -250,8 +252,10 @@ def guarded(main: Callable[[Any], None], args: Any,
                       say=rank == 0, rank=rank)
             if not _is_run_failure(exc):
                 raise
-            _stop(1, f"error: {_first_line(exc)} ({type(exc).__name__}); {rerun_hint()}.",
-                  say=True, rank=rank)
+            # A collective that failed: the ranks that did not come, and where they were.
+            own = isinstance(exc, (OSError, FloatingPointError)) or "DataLoader" in str(exc)
+            cause = not own and HEARTBEAT.missing() or f"{_first_line(exc)} ({type(exc).__name__})"
+            _stop(1, f"error: {cause}; {rerun_hint()}.", say=True, rank=rank)
         finally:
             # Free main's locals (the DDP model) while the process group lives: left to the
             # exit, DDP's reducer can tear down gloo holding the GIL a gloo thread waits for,
@@ -261,5 +265,6 @@ def guarded(main: Callable[[Any], None], args: Any,
                 traceback.clear_frames(exc.__traceback__)
                 exc = exc.__context__
             gc.collect()
+            HEARTBEAT.stop()
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()

@@ -25,8 +25,9 @@ import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from .distributed_utils import get_world_size, is_main_process, reduce_value
+from .distributed_utils import get_rank, get_world_size, is_main_process, reduce_value
 from .guard import ConfigError
+from .heartbeat import HEARTBEAT, slowest
 from .strategy import gradient_sync
 
 log = logging.getLogger(__name__)
@@ -225,18 +226,20 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
     model.train()
     loss_function = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
-    mean_loss = _mean_loss(totals, epoch, first, print_freq) if steps == 0 else float("nan")
+    mean_loss = _mean_loss(totals, epoch, first, print_freq)[0] if steps == 0 else float("nan")
     optimizer.zero_grad(set_to_none=True)
     bar = is_main_process() and sys.stdout.isatty()
     batches = tqdm(prefetch_to_device(data_loader, device), total=first + steps, initial=first,
                    file=sys.stdout, disable=not bar, desc=f"[train epoch {epoch}]",
                    dynamic_ncols=True)
     start, seen = time.perf_counter(), 0
+    HEARTBEAT.at("loading data", epoch=epoch, step=first + 1, steps=first + steps)
     for step, batch in enumerate(batches):
         images, labels = _unpack(batch, "train_one_epoch")
         seen += labels.shape[0]
         images = prepare_images(images, device, channels_last=channels_last)
         labels = labels.to(device, non_blocking=True)
+        HEARTBEAT.at("forward", step=first + step + 1)
         if step == 0 and labels.is_floating_point():
             _check_probabilities(labels)  # once: the check syncs the host
         # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
@@ -251,6 +254,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             # Mean over the micro-batches of this step; the epoch's last group may be shorter
             # than K, and a fixed / K would shrink its step.
             scaled = loss / min(grad_accum_steps, steps - (step - step % grad_accum_steps))
+            HEARTBEAT.at("backward")
             scaler.scale(scaled).backward()
         totals += torch.stack([loss.detach().double() * n_valid, n_valid.double()])
         if last_micro:
@@ -259,7 +263,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             if step + 1 < steps and after_step is not None and after_step(progress):
                 progress.stopped = True
         if progress.stopped or (step + 1) % print_freq == 0 or step + 1 == steps:
-            mean_loss = _mean_loss(totals, epoch, first + step, print_freq)
+            mean_loss, slow = _mean_loss(totals, epoch, first + step, print_freq)
             lr = optimizer.param_groups[0]["lr"]
             batches.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
             if is_main_process() and not bar:
@@ -268,20 +272,27 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                 log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
                          "process  eta %d:%02d", epoch, first + step + 1, first + steps,
                          mean_loss, lr, seen / elapsed, eta // 60, eta % 60)
+            if slow and is_main_process():
+                log.info("[train epoch %d] %s", epoch, slow)
         if progress.stopped:
             break
+        HEARTBEAT.at("loading data", step=min(first + step + 2, first + steps))
     return mean_loss  # the last step always reduced: no second all-reduce
 
 
-def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> float:
-    """The mean loss over every rank's samples so far; a non-finite one raises on every rank."""
-    loss_sum, count = reduce_value(totals, average=False).tolist()
+def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> tuple[float, str]:
+    """The mean loss over every rank's samples so far (a non-finite one raises on every rank),
+    and in the same all-reduce each rank's own work (loading, forward): the slowest, named."""
+    work = torch.zeros(get_world_size(), dtype=torch.float64)
+    work[get_rank()], HEARTBEAT.own = HEARTBEAT.own, 0.0
+    loss_sum, count, *work = reduce_value(torch.cat([totals, work.to(totals.device)]),
+                                          average=False).tolist()
     mean_loss = loss_sum / count if count else float("nan")
     if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
         raise FloatingPointError(
             f"loss is {mean_loss} at epoch {epoch} step {step} (checked every {print_freq} "
             "steps); lower the learning rate (--lr) or check the data.")
-    return mean_loss
+    return mean_loss, slowest(work)
 
 
 def _forward(model: nn.Module, images: torch.Tensor) -> Any:
@@ -356,6 +367,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     in ``DistributedSampler``'s padded order the sample at position ``p`` (on rank ``p % W``) is a
     repeat iff ``p >= len(dataset)``, so each rank masks its repeats with no extra gather."""
     model.eval()
+    HEARTBEAT.at("evaluating")
     sampler = _val_sampler(data_loader)
     world, rank = (sampler.num_replicas, sampler.rank) if sampler is not None else (1, 0)
     stats = torch.zeros(4, device=device, dtype=torch.float64)  # top1, top5, loss sum, count

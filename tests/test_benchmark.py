@@ -258,6 +258,11 @@ def test_preemption_figures(report, bench):
     assert _positive(p["save_seconds"]) and _positive(p["step_ms"])
     assert 40 < p["checkpoint_mb"] < 200  # resnet18's weights and momentum, 2 x 45 MB
     assert "with / without the per-step stop poll" in bench[0].stdout
+    # The heartbeat: paired as the poll, and its parts timed alone (the loop's calls a step).
+    assert len(p["heartbeat_ratio_to_without"]) == 2 and _positive(p["heartbeat_median_ratio"])
+    assert _positive(p["heartbeat_us_per_step"]) and _positive(p["heartbeat_write_us_per_s"])
+    assert p["heartbeat_share_of_step"] < 0.01, p["heartbeat_share_of_step"]
+    assert "with / without the heartbeat" in bench[0].stdout
 
 
 def test_startup_stage_links_a_tree_and_reports_each_count(tmp_path):

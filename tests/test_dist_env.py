@@ -214,6 +214,7 @@ def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(env, fake_gpus)
     calls = []
     env.setattr(torch.cuda, "device_count", lambda: 1)
     env.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    env.setattr(du.HEARTBEAT, "start", lambda *args: None)  # no group: nothing to beat to
     _set(env, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="3", CUDA_VISIBLE_DEVICES="3",
          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     args = argparse.Namespace(device="cuda")
@@ -224,10 +225,33 @@ def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(env, fake_gpus)
     (backend, kwargs), = calls
     assert (backend, kwargs["device_id"], kwargs["init_method"]) == \
         ("nccl", torch.device("cuda", 0), "env://")
-    assert kwargs["timeout"] == datetime.timedelta(seconds=du.DEFAULT_TIMEOUT_S)
+    assert kwargs["timeout"] == datetime.timedelta(seconds=du.LIMITS_S[0])
     du.init_distributed_mode(device="cpu", timeout_s=5)
     assert calls[-1][0] == "gloo" and calls[-1][1]["device_id"] is None
     assert calls[-1][1]["timeout"] == datetime.timedelta(seconds=5)
+
+
+def test_on_cuda_the_flight_recorder_dumps_into_the_run_folder_unless_set_up(env, fake_gpus,
+                                                                            tmp_path):
+    """NCCL runs get PyTorch's flight recorder (each rank's last collectives, dumped on a
+    timeout) into <output-dir>/flight_recorder/; a user's own TORCH_FR_* settings are kept."""
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")
+    for name in names:  # monkeypatch restores what the code sets
+        env.setenv(name, "")
+        env.delenv(name)
+    env.setattr(dist, "init_process_group", lambda backend, **kw: None)
+    env.setattr(du.HEARTBEAT, "start", lambda *args: None)
+    _set(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+         MASTER_PORT="29500")
+    du.init_distributed_mode(device="cuda", trace_dir=str(tmp_path / "run"))
+    assert [os.environ[name] for name in names] == [
+        "2000", "1", str(tmp_path / "run" / "flight_recorder" / "rank_")]
+    assert (tmp_path / "run" / "flight_recorder").is_dir()
+    for name in names:
+        env.delenv(name)
+    env.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")  # the older name: the user's choice
+    du.init_distributed_mode(device="cuda", trace_dir=str(tmp_path / "other"))
+    assert not any(name in os.environ for name in names) and not (tmp_path / "other").exists()
 
 
 # ---------------------------------------------------------------- torchrun restarts

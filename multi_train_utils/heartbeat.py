@@ -1,0 +1,115 @@
+"""Each rank's place (epoch, step, phase) in the rendezvous store, to name the ranks that hang.
+
+The loops call ``HEARTBEAT.at(phase, ...)`` (no I/O, no collective); a thread writes the place to
+the store once a second. The group's timeout follows the phase (docs/errors-and-troubleshooting.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+SLOW_PHASES = ("starting", "evaluating", "saving")  # a step: "loading data", forward, backward
+OWN_PHASES = ("loading data", "forward")  # no wait for the other ranks (but SyncBatchNorm's)
+STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its host is gone)
+
+
+class Heartbeat:
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self.stop()  # self.own: seconds in OWN_PHASES since a log line read it
+
+    def start(self, rank: int, world_size: int, limits: tuple[float, float]) -> None:
+        """``limits``: seconds a collective waits after a slow phase, and else."""
+        self.stop()
+        store = dist.distributed_c10d._get_default_store()  # torchrun's, or init_process_group's
+        self.store, self.rank, self.world_size, self.limits = store, rank, world_size, limits
+        self.node, self._stop, self._fast_in = socket.gethostname(), threading.Event(), 0
+        self.nccl = dist.get_backend() == "nccl"
+        with contextlib.suppress(OSError):  # a pid names this process in its namespace only
+            self.node += os.readlink("/proc/self/ns/pid")
+        self.at("starting", epoch=None, step=0, steps=0)
+        threading.Thread(target=self._beat, args=(store, self._stop), daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.store, self.place, self.own = None, {}, 0.0
+
+    def at(self, phase: str, **where: Any) -> None:
+        """This rank is in ``phase`` now, at ``where`` (epoch, step, steps)."""
+        if self.store is None:
+            return
+        now, before = time.monotonic(), self.place
+        self.own += now - before["since"] if before.get("phase") in OWN_PHASES else 0.0
+        self.place = {**before, **where, "phase": phase, "since": now, "wall": time.time()}
+        if phase in SLOW_PHASES or phase == "forward" and self._fast_in:
+            # The second forward after a slow phase: all ranks met since, short again.
+            self._fast_in = 2 if phase in SLOW_PHASES else self._fast_in - 1
+            self.limit = self.limits[self._fast_in == 0]
+            dist.set_timeout(datetime.timedelta(seconds=self.limit))
+
+    def _beat(self, store: Any, stopped: threading.Event) -> None:
+        mine, seen = {"host": socket.gethostname(), "pid": os.getpid(), "node": self.node}, None
+        with contextlib.suppress(Exception):  # the store's host is gone: the run is ending
+            while not stopped.is_set():
+                store.set(f"heartbeat/{self.rank}", json.dumps({**self.place, **mine,
+                                                                 "beat": time.time()}))
+                # NCCL's watchdog ends the process at the timeout, with no error for Python to
+                # name the missing ranks in: name them just before.
+                stuck = time.monotonic() - self.place["since"] > self.limit - 3
+                if self.nccl and stuck and seen is not self.place:  # once in each place
+                    seen, names = self.place, self.missing()
+                    if names:
+                        print(f"error: {names}; NCCL ends this rank now.", file=sys.stderr)
+                stopped.wait(1.0)
+
+    def missing(self) -> str:
+        """The ranks that did not come and where each was: stopped answering (on this machine
+        it is ended, as a frozen process cannot take the launcher's SIGTERM) or elsewhere."""
+        names, now = [], time.time()
+        with contextlib.suppress(Exception):  # no store any more: torch's own message then
+            store, timeout = self.store, self.store.timeout
+            store.set_timeout(datetime.timedelta(seconds=5))  # the store's host may be frozen
+            for rank in (r for r in range(self.world_size) if r != self.rank):
+                peer = json.loads(self.store.get(f"heartbeat/{rank}"))
+                quiet = now - peer["beat"]
+                who = f"rank {rank} (host {peer['host']}, pid {peer['pid']})"
+                if quiet > STALE_S:
+                    if peer["node"] == self.node and quiet > self.limits[1] / 2:
+                        os.kill(peer["pid"], signal.SIGKILL)
+                    names.append(f"{who} stopped answering {quiet:.0f} s ago at {_where(peer)}")
+                elif _where(peer) != _where(self.place) and now - peer["wall"] > STALE_S:
+                    names.append(f"{who} is at {_where(peer)} for {now - peer['wall']:.0f} s")
+            store.set_timeout(timeout)
+        return "; ".join(names[:8] + [f"{len(names) - 8} more"] * (len(names) > 8))
+
+
+def _where(place: dict[str, Any]) -> str:
+    if place["epoch"] is None:
+        return f"start-up ({place['phase']})"
+    return f"epoch {place['epoch']}, step {place['step']} of {place['steps']} ({place['phase']})"
+
+
+def slowest(work: list[float]) -> str:
+    """``rank R is the slowest: ...`` when one rank's own work (seconds per rank, over the same
+    steps) is clearly longer than the other ranks' median: every step waits for it."""
+    rank = max(range(len(work)), key=work.__getitem__)
+    median = statistics.median(work[:rank] + work[rank + 1:] or [work[rank]])
+    if work[rank] <= 2 * median:  # a shared machine's noise reaches 1.6x
+        return ""
+    return (f"rank {rank} is the slowest: {work[rank] / max(median, 1e-9):.1f}x the median "
+            "rank's own work (loading data, forward), which every step waits for")
+
+
+HEARTBEAT = Heartbeat()
