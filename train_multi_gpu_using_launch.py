@@ -39,8 +39,9 @@ from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler,
                                                format_report, resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
 from utils import (BoolFlag, HelpFormatter, default_demo_root, epoch_record, get_transforms,
-                   log_epoch, make_demo_data, number, path_flag, scan_image_folder,
-                   split_train_val, tensorboard_writer, write_json_atomic, write_scan_files)
+                   log_epoch, make_demo_data, number, path_flag, resume_file_list,
+                   scan_image_folder, split_train_val, tensorboard_writer, write_json_atomic,
+                   write_scan_files)
 
 log = logging.getLogger("train")
 
@@ -137,6 +138,7 @@ def main(args: argparse.Namespace) -> None:
         ckpt = load_checkpoint(ckpt_path, args, classes)
         start_epoch, best_acc, best_loss, history, progress = restore(
             ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
+        resume_file_list(progress, ckpt, out, scan, train_paths)  # a stopped epoch: its own images
     if args.eval_only:
         log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
                                         channels_last=channels_last), classes))
@@ -159,11 +161,11 @@ def main(args: argparse.Namespace) -> None:
     # stands and exit; the same command continues at that batch (docs/resume-and-restarts.md).
     with stop_requests() as stop:
         for epoch in range(start_epoch, args.epochs):
-            train_sampler.set_epoch(epoch, skip=progress.samples)  # a stopped epoch: its rest
+            train_sampler.set_epoch(epoch, skip=progress.samples, indices=progress.indices)
             train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
             state = {"epoch": epoch, "best_acc": best_acc, "best_loss": best_loss,
                      "classes": classes, "args": run_args(args, info, images_per_step),
-                     "metrics": history}
+                     "metrics": history, "file_list": progress.file_list or scan.digest}
             save = partial(save_checkpoint, out, model_without_ddp, optimizer, scaler, state)
             t0 = time.perf_counter()
             train_loss = train_one_epoch(

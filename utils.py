@@ -29,9 +29,9 @@ import torch
 from PIL import Image, ImageDraw, ImageFilter
 from torchvision.transforms import v2
 
-from multi_train_utils.distributed_utils import is_main_process
+from multi_train_utils.distributed_utils import is_main_process, run_on_main
 from multi_train_utils.guard import UserError
-from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, EpochProgress
 from device_decode import BatchAugment
 from my_dataset import MyDataSet, check_image, printable_path
 
@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".gif", ".tif",
                   ".tiff")
 LAYOUT = "one sub-folder of images per class (e.g. flower_photos/daisy/*.jpg)"
-SCAN_FILE = "file_list.json"  # a run's FolderScan; moved aside with the run (checkpoint.RUN_FILES)
+SCAN_FILE = "file_list.json"  # a run's FolderScan; moved aside with the run (run_folder.RUN_FILES)
+STOPPED_SCAN_FILE = "stopped_epoch_file_list.json"  # the list a stopped epoch began with
 
 
 class DataError(UserError):
@@ -60,6 +61,7 @@ class FolderScan:
     times: dict[str, list[int]] = field(default_factory=dict)
     verified: bool = False  # every image's header was read
     reused: bool = False  # read from a run folder's SCAN_FILE, not listed again
+    digest: str = ""  # of the classes and images below the root: which list a checkpoint used
 
     def summary(self, examples: int = 10) -> str:
         """A line of counts, then up to ``examples`` skipped files: one of each reason first,
@@ -74,6 +76,11 @@ class FolderScan:
         shown += [x for x in self.skipped if x not in shown]
         more = f"\n  ... and {len(self.skipped) - examples} more" * (len(self.skipped) > examples)
         return "\n".join([line] + [f"  skipped {p}: {why}" for p, why in shown[:examples]]) + more
+
+    def relative(self) -> list[list[str]]:
+        """``images`` below their class folders, as :data:`SCAN_FILE` stores them."""
+        below = [len(os.path.join(self.root, name, "")) for name in self.classes]
+        return [[p[n:] for p in found] for n, found in zip(below, self.images)]
 
     def rebased(self, root: str) -> FolderScan:
         """The same files below ``root``: each machine reads its own copy of rank 0's scan."""
@@ -197,26 +204,60 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
             note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
             raise DataError(f"class folder {folder} has no usable image{note}; add images or "
                             "remove the folder.")
-    return FolderScan(root, classes, images, skipped, times, verified=verify)
+    return _digested(FolderScan(root, classes, images, skipped, times, verified=verify))
+
+
+def _digested(scan: FolderScan) -> FolderScan:
+    text = json.dumps([scan.classes, scan.relative()])  # ASCII: a name that is not UTF-8 too
+    return replace(scan, digest=hashlib.sha256(text.encode()).hexdigest())
+
+
+def _read_scan(path: Path) -> FolderScan | None:
+    """The scan stored at ``path``, below the root it listed; None if there is none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            scan = FolderScan(**json.load(f))
+    except (OSError, ValueError, TypeError):  # none yet, another version's file
+        return None
+    folders = [os.path.join(scan.root, name, "") for name in scan.classes]
+    images = [[folder + p for p in found] for folder, found in zip(folders, scan.images)]
+    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped], reused=True)
 
 
 def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
     had then and its headers were read where ``verify`` asks; else None (list again). The times
-    miss a file changed in place: if it no longer decodes, the loader replaces and lists it."""
+    miss a file changed in place: if it no longer decodes, the loader replaces and lists it; an
+    image skipped as unreadable is read again, and trains if it reads now."""
+    scan = _read_scan(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            scan = FolderScan(**json.load(f))
-        if scan.verified < verify or not all(then and _times(os.path.join(root, folder)) == then
-                                             for folder, then in scan.times.items()):
+        if not (scan and scan.digest) or scan.verified < verify or not all(
+                then and _times(os.path.join(root, folder)) == then
+                for folder, then in scan.times.items()):
             return None
-    except (OSError, ValueError, TypeError):  # none yet, a folder gone, another version's file
+    except OSError:  # a folder gone
         return None
     log.info("%s is unchanged since %s listed it: not listed again", root, path)
-    folders = [os.path.join(scan.root, name, "") for name in scan.classes]
-    images = [[folder + p for p in found] for folder, found in zip(folders, scan.images)]
-    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped],
-                   reused=True).rebased(root)
+    return _recheck(scan.rebased(root))
+
+
+def _recheck(scan: FolderScan) -> FolderScan:
+    """``scan`` with the images it skipped read again (a few bad ones, links to files not yet
+    there): one fixed in place, or copied in full since, trains; then the scan is stored anew."""
+    index, prefix = {name: i for i, name in enumerate(scan.classes)}, os.path.join(scan.root, "")
+    images, skipped = [list(found) for found in scan.images], []
+    for path, why in scan.skipped:
+        parts = path.removeprefix(prefix).split(os.sep)
+        if (len(parts) > 1 and parts[0] in index and path.lower().endswith(IMG_EXTENSIONS)
+                and not any(part.startswith(".") for part in parts) and not check_image(path)):
+            images[index[parts[0]]].append(path)
+        else:
+            skipped.append((path, why))
+    if len(skipped) == len(scan.skipped):
+        return scan
+    log.info("%d skipped file(s) read well now: they train", len(scan.skipped) - len(skipped))
+    return _digested(replace(scan, images=[sorted(found) for found in images], skipped=skipped,
+                             reused=False))
 
 
 def split_train_val(scan: FolderScan, val_rate: float, seed: int,
@@ -305,7 +346,9 @@ def _pyplot() -> Any:
 
 def tick_label(name: str, width: int = 24) -> str:
     """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
-    name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
+    name took the whole figure. Both ends stay, so "..._male" and "..._female" differ. A name
+    that is not UTF-8 shows its bytes as ``\\xNN`` (fonts refuse the surrogates)."""
+    name = printable_path(name)
     if len(name) <= width:
         return name
     head = (width - 1) // 2
@@ -325,9 +368,49 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
             "".join(f"{path}\t{why}\n" for path, why in scan.skipped), encoding="utf-8")
         log.warning("%s; the list is in %s", scan.summary(), out / "skipped_files.txt")
     plot_class_distribution(scan, out / "class_distribution.png")
-    below = [len(os.path.join(scan.root, name, "")) for name in scan.classes]
-    images = [[p[n:] for p in found] for n, found in zip(below, scan.images)]  # a third the bytes
-    write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": images}, compact=True)
+    write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": scan.relative()}, compact=True)
+
+
+def resume_file_list(progress: EpochProgress, ckpt: dict[str, Any], out: Path, scan: FolderScan,
+                     train_paths: list[str]) -> None:
+    """An epoch a stop interrupted ends over the images it began with, though the folder changed
+    since (images added; removed, or dropped by ``--verify-images``); the new ones join at the
+    next epoch. Sets ``progress.file_list``, the digest of the epoch's list, and, where it is not
+    ``scan``'s, ``progress.indices``: its images as indices of ``train_paths`` (-1: gone), for
+    ``ResumableSampler.set_epoch``. Every rank calls it; rank 0 reads that list, kept as
+    :data:`STOPPED_SCAN_FILE` until the epoch ends."""
+    progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or scan.digest
+    progress.indices = run_on_main(_stopped_epoch_indices, out, progress.file_list, scan,
+                                   train_paths, ckpt["epoch"], ckpt["args"])
+
+
+def _stopped_epoch_indices(out: Path, digest: str, scan: FolderScan, train_paths: list[str],
+                           epoch: int, args: dict[str, Any]) -> torch.Tensor | None:
+    kept = out / STOPPED_SCAN_FILE
+    if digest == scan.digest:
+        kept.unlink(missing_ok=True)
+        return None
+    found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
+             and old.digest == digest]
+    if not found:
+        log.warning("the file list epoch %d began with is not in %s: its rest is drawn from the "
+                    "images there are now, some of them read twice this epoch and others not "
+                    "at all", epoch, out)
+        return None
+    if found[0][0] != kept:
+        os.replace(found[0][0], kept)  # SCAN_FILE gets the new list, the epoch keeps its own
+    old = found[0][1].rebased(scan.root)
+    listed = ([p for paths in old.images for p in paths] if args.get("val_path")
+              else split_train_val(old, args["val_rate"], args["seed"])[0])
+    where = {path: i for i, path in enumerate(train_paths)}
+    indices = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
+    gone = int((indices < 0).sum())
+    if added := len(train_paths) - len(listed) + gone:
+        log.info("%d images added since the stop: they join at epoch %d", added, epoch + 1)
+    if gone:
+        log.info("%d images gone since the stop (removed or unreadable): epoch %d goes on "
+                 "without them", gone, epoch)
+    return indices
 
 
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
@@ -381,7 +464,8 @@ def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.
     from torchvision.utils import make_grid
 
     writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_epoch or None)
-    batch = MyDataSet.collate_fn([train_set[i] for i in range(min(16, len(train_set)))])
+    with torch.random.fork_rng(devices=[]):  # the crops leave the RNG as a resume restored it
+        batch = MyDataSet.collate_fn([train_set[i] for i in range(min(16, len(train_set)))])
     images = batch.to_device(torch.device("cpu"))[0] if hasattr(batch, "to_device") else batch[0]
     writer.add_image("train_images", make_grid(images, nrow=8), start_epoch)
     return writer
@@ -424,7 +508,8 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
     for ax, img, label in zip(axes.flat, images, labels.tolist()):
         img = img / 255 if img.dtype == torch.uint8 else img * std + mean
         ax.imshow(img.clamp(0, 1).permute(1, 2, 0).numpy())
-        ax.set_title(names.get(str(label), "unreadable" if label < 0 else str(label)))
+        name = names.get(str(label), "unreadable" if label < 0 else str(label))
+        ax.set_title(printable_path(name))  # a class folder's name that is not UTF-8: escaped
         ax.axis("off")
     fig.tight_layout()
     if save_path is None and os.environ.get("DISPLAY"):
@@ -438,12 +523,13 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
 
 def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:
     """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename).
-    ``compact``: one line, non-ASCII as ``\\u`` escapes (file names that are not UTF-8 too)."""
+    ``compact``: one line, non-ASCII as ``\\u`` escapes. A file name that is not UTF-8 (a lone
+    surrogate in Python) is always a ``\\udcXX`` escape, which ``json.load`` reads back as it."""
     path = Path(path)
     text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
     try:
-        tmp.write_bytes((text + "\n").encode("utf-8"))
+        tmp.write_bytes((text + "\n").encode("utf-8", "backslashreplace"))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
