@@ -61,7 +61,12 @@ class FolderScan:
     times: dict[str, list[int]] = field(default_factory=dict)
     verified: bool = False  # every image's header was read
     reused: bool = False  # read from a run folder's SCAN_FILE, not listed again
-    digest: str = ""  # of the classes and images below the root: which list a checkpoint used
+    digest: str = ""  # of the classes and images below the root: which list an epoch drew from
+
+    def __post_init__(self) -> None:
+        if not self.digest:  # once per scan; ASCII JSON writes names that are not UTF-8 too
+            self.digest = hashlib.sha256(json.dumps([self.classes, self.relative()]).encode()
+                                         ).hexdigest()
 
     def summary(self, examples: int = 10) -> str:
         """A line of counts, then up to ``examples`` skipped files: one of each reason first,
@@ -204,12 +209,7 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
             note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
             raise DataError(f"class folder {folder} has no usable image{note}; add images or "
                             "remove the folder.")
-    return _digested(FolderScan(root, classes, images, skipped, times, verified=verify))
-
-
-def _digested(scan: FolderScan) -> FolderScan:
-    text = json.dumps([scan.classes, scan.relative()])  # ASCII: a name that is not UTF-8 too
-    return replace(scan, digest=hashlib.sha256(text.encode()).hexdigest())
+    return FolderScan(root, classes, images, skipped, times, verified=verify)
 
 
 def _read_scan(path: Path) -> FolderScan | None:
@@ -231,7 +231,7 @@ def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     image skipped as unreadable is read again, and trains if it reads now."""
     scan = _read_scan(path)
     try:
-        if not (scan and scan.digest) or scan.verified < verify or not all(
+        if not scan or scan.verified < verify or not all(
                 then and _times(os.path.join(root, folder)) == then
                 for folder, then in scan.times.items()):
             return None
@@ -243,21 +243,20 @@ def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
 
 def _recheck(scan: FolderScan) -> FolderScan:
     """``scan`` with the images it skipped read again (a few bad ones, links to files not yet
-    there): one fixed in place, or copied in full since, trains; then the scan is stored anew."""
-    index, prefix = {name: i for i, name in enumerate(scan.classes)}, os.path.join(scan.root, "")
-    images, skipped = [list(found) for found in scan.images], []
-    for path, why in scan.skipped:
-        parts = path.removeprefix(prefix).split(os.sep)
-        if (len(parts) > 1 and parts[0] in index and path.lower().endswith(IMG_EXTENSIONS)
-                and not any(part.startswith(".") for part in parts) and not check_image(path)):
-            images[index[parts[0]]].append(path)
-        else:
-            skipped.append((path, why))
-    if len(skipped) == len(scan.skipped):
+    there): one fixed in place, or copied in full since, trains; the scan is then stored anew."""
+    prefix = os.path.join(scan.root, "")
+    fixed = [(path, why) for path, why in scan.skipped
+             if (parts := path.removeprefix(prefix).split(os.sep))[0] in scan.classes
+             and path.lower().endswith(IMG_EXTENSIONS)
+             and not any(part.startswith(".") for part in parts) and not check_image(path)]
+    if not fixed:
         return scan
-    log.info("%d skipped file(s) read well now: they train", len(scan.skipped) - len(skipped))
-    return _digested(replace(scan, images=[sorted(found) for found in images], skipped=skipped,
-                             reused=False))
+    log.info("%d skipped file(s) read well now: they train", len(fixed))
+    folders = [os.path.join(prefix, name, "") for name in scan.classes]
+    images = [sorted(found + [path for path, _ in fixed if path.startswith(folder)])
+              for folder, found in zip(folders, scan.images)]
+    return replace(scan, images=images, skipped=[x for x in scan.skipped if x not in fixed],
+                   reused=False, digest="")
 
 
 def split_train_val(scan: FolderScan, val_rate: float, seed: int,
@@ -346,9 +345,8 @@ def _pyplot() -> Any:
 
 def tick_label(name: str, width: int = 24) -> str:
     """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
-    name took the whole figure. Both ends stay, so "..._male" and "..._female" differ. A name
-    that is not UTF-8 shows its bytes as ``\\xNN`` (fonts refuse the surrogates)."""
-    name = printable_path(name)
+    name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
+    name = printable_path(name)  # bytes that are not UTF-8 as \xNN: fonts refuse surrogates
     if len(name) <= width:
         return name
     head = (width - 1) // 2
@@ -373,44 +371,37 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
 
 def resume_file_list(progress: EpochProgress, ckpt: dict[str, Any], out: Path, scan: FolderScan,
                      train_paths: list[str]) -> None:
-    """An epoch a stop interrupted ends over the images it began with, though the folder changed
-    since (images added; removed, or dropped by ``--verify-images``); the new ones join at the
-    next epoch. Sets ``progress.file_list``, the digest of the epoch's list, and, where it is not
-    ``scan``'s, ``progress.indices``: its images as indices of ``train_paths`` (-1: gone), for
-    ``ResumableSampler.set_epoch``. Every rank calls it; rank 0 reads that list, kept as
-    :data:`STOPPED_SCAN_FILE` until the epoch ends."""
-    progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or scan.digest
-    progress.indices = run_on_main(_stopped_epoch_indices, out, progress.file_list, scan,
-                                   train_paths, ckpt["epoch"], ckpt["args"])
+    """A stopped epoch ends over the images it began with, though the folder changed since
+    (images added, removed, or dropped by ``--verify-images``); new ones join at the next epoch.
+    Sets ``progress.file_list`` (that list's digest) and ``progress.indices`` (its images as
+    indices of ``train_paths``, -1: gone; None: the same list) for ``ResumableSampler``. Every
+    rank calls it; rank 0 reads the list, kept as :data:`STOPPED_SCAN_FILE` while it is needed."""
+    digest = progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or scan.digest
+    kept, epoch, saved = out / STOPPED_SCAN_FILE, ckpt["epoch"], ckpt["args"]
 
-
-def _stopped_epoch_indices(out: Path, digest: str, scan: FolderScan, train_paths: list[str],
-                           epoch: int, args: dict[str, Any]) -> torch.Tensor | None:
-    kept = out / STOPPED_SCAN_FILE
-    if digest == scan.digest:
-        kept.unlink(missing_ok=True)
-        return None
-    found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
-             and old.digest == digest]
-    if not found:
-        log.warning("the file list epoch %d began with is not in %s: its rest is drawn from the "
-                    "images there are now, some of them read twice this epoch and others not "
-                    "at all", epoch, out)
-        return None
-    if found[0][0] != kept:
+    def indices() -> torch.Tensor | None:
+        if digest == scan.digest:
+            kept.unlink(missing_ok=True)
+            return None
+        found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
+                 and old.digest == digest]
+        if not found:
+            log.warning("the file list epoch %d began with is not in %s: the rest of the epoch "
+                        "is drawn from the images there now, some of them twice", epoch, out)
+            return None
         os.replace(found[0][0], kept)  # SCAN_FILE gets the new list, the epoch keeps its own
-    old = found[0][1].rebased(scan.root)
-    listed = ([p for paths in old.images for p in paths] if args.get("val_path")
-              else split_train_val(old, args["val_rate"], args["seed"])[0])
-    where = {path: i for i, path in enumerate(train_paths)}
-    indices = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
-    gone = int((indices < 0).sum())
-    if added := len(train_paths) - len(listed) + gone:
-        log.info("%d images added since the stop: they join at epoch %d", added, epoch + 1)
-    if gone:
-        log.info("%d images gone since the stop (removed or unreadable): epoch %d goes on "
-                 "without them", gone, epoch)
-    return indices
+        old = found[0][1].rebased(scan.root)
+        listed = ([p for paths in old.images for p in paths] if saved.get("val_path")
+                  else split_train_val(old, saved["val_rate"], saved["seed"])[0])
+        where = {path: i for i, path in enumerate(train_paths)}
+        result = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
+        gone = int((result < 0).sum())
+        log.info("%d images added since the stop: they join at epoch %d; %d gone (removed or "
+                 "unreadable): epoch %d goes on without them", len(train_paths) - len(listed)
+                 + gone, epoch + 1, gone, epoch)
+        return result
+
+    progress.indices = run_on_main(indices)
 
 
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
@@ -523,8 +514,7 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
 
 def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:
     """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename).
-    ``compact``: one line, non-ASCII as ``\\u`` escapes. A file name that is not UTF-8 (a lone
-    surrogate in Python) is always a ``\\udcXX`` escape, which ``json.load`` reads back as it."""
+    ``compact``: one line, non-ASCII as ``\\u`` escapes (names that are not UTF-8 always)."""
     path = Path(path)
     text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race

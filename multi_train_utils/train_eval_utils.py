@@ -169,8 +169,8 @@ class ResumableSampler(DistributedSampler):
     it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
     order is the same at any world size, so the rest can go to another number of ranks, dealt as
     ``DistributedSampler`` does; with the same world size each rank gets the rest of its own.
-    ``indices``: the epoch began over another list (the dataset changed since the stop), whose
-    item ``i`` is now the dataset's ``indices[i]`` (-1: gone); its order's rest is dealt."""
+    ``indices``: the epoch's order is of another list, item ``i`` of which is now ``indices[i]``
+    of the dataset (-1: gone), as when the folder has changed since the stop."""
 
     rest: torch.Tensor | None = None  # a part-way epoch's samples still to deal, in order
 
