@@ -375,13 +375,12 @@ def resume_file_list(progress: EpochProgress, ckpt: dict[str, Any], out: Path, s
     (images added, removed, or dropped by ``--verify-images``); new ones join at the next epoch.
     Sets ``progress.file_list`` (that list's digest) and ``progress.indices`` (its images as
     indices of ``train_paths``, -1: gone; None: the same list) for ``ResumableSampler``. Every
-    rank calls it; rank 0 reads the list, kept as :data:`STOPPED_SCAN_FILE` while it is needed."""
+    rank calls it; rank 0 reads the list, moved to :data:`STOPPED_SCAN_FILE` for a new one."""
     digest = progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or scan.digest
     kept, epoch, saved = out / STOPPED_SCAN_FILE, ckpt["epoch"], ckpt["args"]
 
     def indices() -> torch.Tensor | None:
         if digest == scan.digest:
-            kept.unlink(missing_ok=True)
             return None
         found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
                  and old.digest == digest]

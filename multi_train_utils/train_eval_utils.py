@@ -172,11 +172,11 @@ class ResumableSampler(DistributedSampler):
     ``indices``: the epoch's order is of another list, item ``i`` of which is now ``indices[i]``
     of the dataset (-1: gone), as when the folder has changed since the stop."""
 
-    rest: torch.Tensor | None = None  # a part-way epoch's samples still to deal, in order
+    skip, rest = 0, None  # rest: a part-way epoch's samples still to deal, in order
 
     def set_epoch(self, epoch: int, skip: int = 0, indices: torch.Tensor | None = None) -> None:
         super().set_epoch(epoch)
-        self.rest = None  # for this epoch only: the next set_epoch deals a whole one
+        self.skip, self.rest = skip, None  # for this epoch only: the next deals a whole one
         if skip or indices is not None:
             n = len(self.dataset) if indices is None else len(indices)
             order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))

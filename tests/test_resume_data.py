@@ -85,8 +85,6 @@ def test_a_stopped_epoch_ends_over_its_own_images_and_new_ones_join_the_next(tin
     kept = json.loads((out / STOPPED_SCAN_FILE).read_text())  # the list epoch 0 began with
     assert sum(map(len, kept["images"])) == 60 and json.loads((out / SCAN_FILE).read_text())[
         "digest"] == load_ckpt(out / "checkpoint.pth")["file_list"] != kept["digest"]
-    res = plain([*argv[:-3], "--epochs", "3", "--verify-images"])  # a continued run: no longer
-    assert res.returncode == 0 and not (out / STOPPED_SCAN_FILE).exists(), res.stderr[-3000:]
 
 
 def recorder(folder: Path) -> Path:
