@@ -20,7 +20,9 @@ import torch
 from conftest import (LAUNCH, ROOT, STOPPER, assert_same_tensors, flags, load_ckpt, read_metrics,
                       run, torchrun_cmd)
 from predict import format_prediction, load_predictor, predict
-from utils import SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val
+from multi_train_utils.train_eval_utils import EpochProgress
+from utils import (SCAN_FILE, STOPPED_SCAN_FILE, resume_file_list, scan_image_folder,
+                   split_train_val, write_scan_files)
 
 # Each ResumableSampler.__iter__: its epoch and the paths it dealt, per rank.
 RECORD = """
@@ -85,6 +87,31 @@ def test_a_stopped_epoch_ends_over_its_own_images_and_new_ones_join_the_next(tin
     kept = json.loads((out / STOPPED_SCAN_FILE).read_text())  # the list epoch 0 began with
     assert sum(map(len, kept["images"])) == 60 and json.loads((out / SCAN_FILE).read_text())[
         "digest"] == load_ckpt(out / "checkpoint.pth")["file_list"] != kept["digest"]
+
+
+def test_a_second_stop_in_that_epoch_still_finds_the_list_it_began_with(tiny_data, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(tiny_data, data)
+    out.mkdir()
+    old = scan_image_folder(data, verify=False)
+    write_scan_files(out, old)
+    shutil.copy(data / "daisy" / "0000.jpg", data / "daisy" / "new.jpg")
+    (data / "roses" / "0000.jpg").unlink()
+    new = scan_image_folder(data, verify=False, reuse=out)
+    train, before = split_train_val(new, 0.2, 0)[0], split_train_val(old, 0.2, 0)[0]
+    ckpt = dict(epoch=0, in_epoch=dict(samples=8), file_list=old.digest,
+                args=dict(val_rate=0.2, seed=0))
+    for _ in range(2):  # the rerun, then a rerun after a second stop in the same epoch
+        progress = EpochProgress()
+        resume_file_list(progress, ckpt, out, new, train)
+        assert progress.file_list == old.digest and len(progress.indices) == len(before)
+        assert [train[i] if i >= 0 else None for i in progress.indices.tolist()] == [
+            None if p.endswith("roses/0000.jpg") else p for p in before]
+        write_scan_files(out, new)  # as the rerun does: file_list.json is the new list
+        assert (out / STOPPED_SCAN_FILE).is_file() and (out / SCAN_FILE).is_file()
+    progress = EpochProgress()  # the epoch ended: the new list from then on
+    resume_file_list(progress, {**ckpt, "in_epoch": None}, out, new, train)
+    assert progress.file_list == new.digest and progress.indices is None
 
 
 def recorder(folder: Path) -> Path:
