@@ -65,8 +65,9 @@ class FolderScan:
 
     def __post_init__(self) -> None:
         if not self.digest:  # once per scan; ASCII JSON writes names that are not UTF-8 too
-            self.digest = hashlib.sha256(json.dumps([self.classes, self.relative()]).encode()
-                                         ).hexdigest()
+            n = len(os.path.join(self.root, ""))  # the paths as below any machine's root
+            text = json.dumps([self.classes, [[p[n:] for p in found] for found in self.images]])
+            self.digest = hashlib.sha256(text.encode()).hexdigest()
 
     def summary(self, examples: int = 10) -> str:
         """A line of counts, then up to ``examples`` skipped files: one of each reason first,
@@ -81,11 +82,6 @@ class FolderScan:
         shown += [x for x in self.skipped if x not in shown]
         more = f"\n  ... and {len(self.skipped) - examples} more" * (len(self.skipped) > examples)
         return "\n".join([line] + [f"  skipped {p}: {why}" for p, why in shown[:examples]]) + more
-
-    def relative(self) -> list[list[str]]:
-        """``images`` below their class folders, as :data:`SCAN_FILE` stores them."""
-        below = [len(os.path.join(self.root, name, "")) for name in self.classes]
-        return [[p[n:] for p in found] for n, found in zip(below, self.images)]
 
     def rebased(self, root: str) -> FolderScan:
         """The same files below ``root``: each machine reads its own copy of rank 0's scan."""
@@ -366,7 +362,9 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
             "".join(f"{path}\t{why}\n" for path, why in scan.skipped), encoding="utf-8")
         log.warning("%s; the list is in %s", scan.summary(), out / "skipped_files.txt")
     plot_class_distribution(scan, out / "class_distribution.png")
-    write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": scan.relative()}, compact=True)
+    below = [len(os.path.join(scan.root, name, "")) for name in scan.classes]
+    images = [[p[n:] for p in found] for n, found in zip(below, scan.images)]  # a third the bytes
+    write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": images}, compact=True)
 
 
 def resume_file_list(progress: EpochProgress, ckpt: dict[str, Any], out: Path, scan: FolderScan,
