@@ -39,9 +39,8 @@ from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler,
                                                format_report, resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
 from utils import (BoolFlag, HelpFormatter, default_demo_root, epoch_record, get_transforms,
-                   log_epoch, make_demo_data, number, path_flag, resume_file_list,
-                   scan_image_folder, split_train_val, tensorboard_writer, write_json_atomic,
-                   write_scan_files)
+                   log_epoch, make_demo_data, number, path_flag, scan_image_folder,
+                   split_train_val, tensorboard_writer, write_json_atomic, write_scan_files)
 
 log = logging.getLogger("train")
 
@@ -138,7 +137,7 @@ def main(args: argparse.Namespace) -> None:
         ckpt = load_checkpoint(ckpt_path, args, classes)
         start_epoch, best_acc, best_loss, history, progress = restore(
             ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
-        resume_file_list(progress, ckpt, out, scan, train_paths)  # a stopped epoch: its own images
+        scan.resume_epoch(progress, ckpt, out, train_paths)  # a stopped epoch: its own images
     if args.eval_only:
         log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
                                         channels_last=channels_last), classes))

@@ -83,6 +83,40 @@ class FolderScan:
         more = f"\n  ... and {len(self.skipped) - examples} more" * (len(self.skipped) > examples)
         return "\n".join([line] + [f"  skipped {p}: {why}" for p, why in shown[:examples]]) + more
 
+    def resume_epoch(self, progress: EpochProgress, ckpt: dict[str, Any], out: Path,
+                     train_paths: list[str]) -> None:
+        """The epoch a stop interrupted (``ckpt``) ends over the images it began with, though
+        this scan found others (images added, removed, or dropped by ``--verify-images``): new
+        ones join at the next epoch. Sets ``progress.file_list`` (that list's digest) and
+        ``progress.indices`` (its images as indices of ``train_paths``, -1: gone; None: the
+        same list) for ``ResumableSampler``. Every rank calls it; rank 0 reads the list, which
+        it moves to :data:`STOPPED_SCAN_FILE` for the new one."""
+        digest = progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or self.digest
+        kept, epoch, saved = out / STOPPED_SCAN_FILE, ckpt["epoch"], ckpt["args"]
+
+        def indices() -> torch.Tensor | None:
+            if digest == self.digest:
+                return None
+            found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
+                     and old.digest == digest]
+            if not found:  # deleted, or the checkpoint of another run folder
+                log.warning("%s lacks the list epoch %d began with: its rest may repeat or miss "
+                            "images", out, epoch)
+                return None
+            os.replace(found[0][0], kept)  # SCAN_FILE gets the new list, the epoch keeps its own
+            old = found[0][1].rebased(self.root)
+            listed = ([p for paths in old.images for p in paths] if saved.get("val_path")
+                      else split_train_val(old, saved["val_rate"], saved["seed"])[0])
+            where = {path: i for i, path in enumerate(train_paths)}
+            result = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
+            gone = int((result < 0).sum())
+            log.info("%d images added since the stop: they join at epoch %d; %d gone (removed "
+                     "or unreadable): epoch %d goes on without them", len(train_paths)
+                     - len(listed) + gone, epoch + 1, gone, epoch)
+            return result
+
+        progress.indices = run_on_main(indices)
+
     def rebased(self, root: str) -> FolderScan:
         """The same files below ``root``: each machine reads its own copy of rank 0's scan."""
         if root == self.root:
@@ -209,7 +243,7 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
 
 
 def _read_scan(path: Path) -> FolderScan | None:
-    """The scan stored at ``path``, below the root it listed; None if there is none."""
+    """The scan stored at ``path`` (None if there is none), below the root it listed."""
     try:
         with open(path, encoding="utf-8") as f:
             scan = FolderScan(**json.load(f))
@@ -222,9 +256,10 @@ def _read_scan(path: Path) -> FolderScan | None:
 
 def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
-    had then and its headers were read where ``verify`` asks; else None (list again). The times
-    miss a file changed in place: if it no longer decodes, the loader replaces and lists it; an
-    image skipped as unreadable is read again, and trains if it reads now."""
+    had then, its headers were read where ``verify`` asks, and no image it skipped reads well
+    now (they are few: a bad file fixed in place, a copy finished since); else None (list
+    again). The times miss a file changed in place: if it no longer decodes, the loader
+    replaces and lists it."""
     scan = _read_scan(path)
     try:
         if not scan or scan.verified < verify or not all(
@@ -233,26 +268,17 @@ def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
             return None
     except OSError:  # a folder gone
         return None
-    log.info("%s is unchanged since %s listed it: not listed again", root, path)
-    return _recheck(scan.rebased(root))
-
-
-def _recheck(scan: FolderScan) -> FolderScan:
-    """``scan`` with the images it skipped read again (a few bad ones, links to files not yet
-    there): one fixed in place, or copied in full since, trains; the scan is then stored anew."""
-    prefix = os.path.join(scan.root, "")
-    fixed = [(path, why) for path, why in scan.skipped
+    scan, prefix = scan.rebased(root), os.path.join(root, "")
+    fixed = [path for path, _ in scan.skipped
              if (parts := path.removeprefix(prefix).split(os.sep))[0] in scan.classes
              and path.lower().endswith(IMG_EXTENSIONS)
              and not any(part.startswith(".") for part in parts) and not check_image(path)]
-    if not fixed:
-        return scan
-    log.info("%d skipped file(s) read well now: they train", len(fixed))
-    folders = [os.path.join(prefix, name, "") for name in scan.classes]
-    images = [sorted(found + [path for path, _ in fixed if path.startswith(folder)])
-              for folder, found in zip(folders, scan.images)]
-    return replace(scan, images=images, skipped=[x for x in scan.skipped if x not in fixed],
-                   reused=False, digest="")
+    if fixed:
+        log.info("%d skipped file(s) read well now (%s): %s is listed again", len(fixed),
+                 fixed[0], root)
+        return None
+    log.info("%s is unchanged since %s listed it: not listed again", root, path)
+    return scan
 
 
 def split_train_val(scan: FolderScan, val_rate: float, seed: int,
@@ -365,40 +391,6 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
     below = [len(os.path.join(scan.root, name, "")) for name in scan.classes]
     images = [[p[n:] for p in found] for n, found in zip(below, scan.images)]  # a third the bytes
     write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": images}, compact=True)
-
-
-def resume_file_list(progress: EpochProgress, ckpt: dict[str, Any], out: Path, scan: FolderScan,
-                     train_paths: list[str]) -> None:
-    """A stopped epoch ends over the images it began with, though the folder changed since
-    (images added, removed, or dropped by ``--verify-images``); new ones join at the next epoch.
-    Sets ``progress.file_list`` (that list's digest) and ``progress.indices`` (its images as
-    indices of ``train_paths``, -1: gone; None: the same list) for ``ResumableSampler``. Every
-    rank calls it; rank 0 reads the list, moved to :data:`STOPPED_SCAN_FILE` for a new one."""
-    digest = progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or scan.digest
-    kept, epoch, saved = out / STOPPED_SCAN_FILE, ckpt["epoch"], ckpt["args"]
-
-    def indices() -> torch.Tensor | None:
-        if digest == scan.digest:
-            return None
-        found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
-                 and old.digest == digest]
-        if not found:
-            log.warning("the file list epoch %d began with is not in %s: the rest of the epoch "
-                        "is drawn from the images there now, some of them twice", epoch, out)
-            return None
-        os.replace(found[0][0], kept)  # SCAN_FILE gets the new list, the epoch keeps its own
-        old = found[0][1].rebased(scan.root)
-        listed = ([p for paths in old.images for p in paths] if saved.get("val_path")
-                  else split_train_val(old, saved["val_rate"], saved["seed"])[0])
-        where = {path: i for i, path in enumerate(train_paths)}
-        result = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
-        gone = int((result < 0).sum())
-        log.info("%d images added since the stop: they join at epoch %d; %d gone (removed or "
-                 "unreadable): epoch %d goes on without them", len(train_paths) - len(listed)
-                 + gone, epoch + 1, gone, epoch)
-        return result
-
-    progress.indices = run_on_main(indices)
 
 
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
@@ -568,11 +560,7 @@ def number(kind: type, low: float, high: float = math.inf, *,
     return parse
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type`` for a whole number of at least 1 (predict.py, plot_results.py)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
+positive_int = number(int, 1)  # predict.py, plot_results.py
 
 
 # ---------------------------------------------------------------- demo data

@@ -21,8 +21,8 @@ from conftest import (LAUNCH, ROOT, STOPPER, assert_same_tensors, flags, load_ck
                       run, torchrun_cmd)
 from predict import format_prediction, load_predictor, predict
 from multi_train_utils.train_eval_utils import EpochProgress
-from utils import (SCAN_FILE, STOPPED_SCAN_FILE, resume_file_list, scan_image_folder,
-                   split_train_val, write_scan_files)
+from utils import (SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val,
+                   write_scan_files)
 
 # Each ResumableSampler.__iter__: its epoch and the paths it dealt, per rank.
 RECORD = """
@@ -103,14 +103,14 @@ def test_a_second_stop_in_that_epoch_still_finds_the_list_it_began_with(tiny_dat
                 args=dict(val_rate=0.2, seed=0))
     for _ in range(2):  # the rerun, then a rerun after a second stop in the same epoch
         progress = EpochProgress()
-        resume_file_list(progress, ckpt, out, new, train)
+        new.resume_epoch(progress, ckpt, out, train)
         assert progress.file_list == old.digest and len(progress.indices) == len(before)
         assert [train[i] if i >= 0 else None for i in progress.indices.tolist()] == [
             None if p.endswith("roses/0000.jpg") else p for p in before]
         write_scan_files(out, new)  # as the rerun does: file_list.json is the new list
         assert (out / STOPPED_SCAN_FILE).is_file() and (out / SCAN_FILE).is_file()
     progress = EpochProgress()  # the epoch ended: the new list from then on
-    resume_file_list(progress, {**ckpt, "in_epoch": None}, out, new, train)
+    new.resume_epoch(progress, {**ckpt, "in_epoch": None}, out, train)
     assert progress.file_list == new.digest and progress.indices is None
 
 
