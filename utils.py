@@ -63,12 +63,6 @@ class FolderScan:
     reused: bool = False  # read from a run folder's SCAN_FILE, not listed again
     digest: str = ""  # of the classes and images below the root: which list an epoch drew from
 
-    def __post_init__(self) -> None:
-        if not self.digest:  # once per scan; ASCII JSON writes names that are not UTF-8 too
-            n = len(os.path.join(self.root, ""))  # the paths as below any machine's root
-            text = json.dumps([self.classes, [[p[n:] for p in found] for found in self.images]])
-            self.digest = hashlib.sha256(text.encode()).hexdigest()
-
     def summary(self, examples: int = 10) -> str:
         """A line of counts, then up to ``examples`` skipped files: one of each reason first,
         so 30 sidecar .txt files do not hide the one corrupt image."""
@@ -85,12 +79,10 @@ class FolderScan:
 
     def resume_epoch(self, progress: EpochProgress, ckpt: dict[str, Any], out: Path,
                      train_paths: list[str]) -> None:
-        """The epoch a stop interrupted (``ckpt``) ends over the images it began with, though
-        this scan found others (images added, removed, or dropped by ``--verify-images``): new
-        ones join at the next epoch. Sets ``progress.file_list`` (that list's digest) and
-        ``progress.indices`` (its images as indices of ``train_paths``, -1: gone; None: the
-        same list) for ``ResumableSampler``. Every rank calls it; rank 0 reads the list, which
-        it moves to :data:`STOPPED_SCAN_FILE` for the new one."""
+        """The epoch a stop interrupted (``ckpt``) ends over the images it began with, new ones
+        join at the next: sets ``progress.file_list`` (that list's digest) and, if it is not this
+        one, ``progress.indices`` (its images in ``train_paths``, -1: gone). Every rank calls it;
+        rank 0 reads the list, moved to :data:`STOPPED_SCAN_FILE` as this one is stored."""
         digest = progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or self.digest
         kept, epoch, saved = out / STOPPED_SCAN_FILE, ckpt["epoch"], ckpt["args"]
 
@@ -239,7 +231,9 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
             note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
             raise DataError(f"class folder {folder} has no usable image{note}; add images or "
                             "remove the folder.")
-    return FolderScan(root, classes, images, skipped, times, verified=verify)
+    text = json.dumps([classes, [[p[below:] for p in found] for found in images]])  # ASCII
+    return FolderScan(root, classes, images, skipped, times, verified=verify,
+                      digest=hashlib.sha256(text.encode()).hexdigest())
 
 
 def _read_scan(path: Path) -> FolderScan | None:
@@ -256,13 +250,12 @@ def _read_scan(path: Path) -> FolderScan | None:
 
 def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
-    had then, its headers were read where ``verify`` asks, and no image it skipped reads well
-    now (they are few: a bad file fixed in place, a copy finished since); else None (list
-    again). The times miss a file changed in place: if it no longer decodes, the loader
-    replaces and lists it."""
+    had then, its headers were read where ``verify`` asks and no image it skipped reads now (a
+    file fixed in place, a copy finished); else None (list again). A file changed in place that
+    no longer decodes is replaced and listed by the loader."""
     scan = _read_scan(path)
     try:
-        if not scan or scan.verified < verify or not all(
+        if not (scan and scan.digest) or scan.verified < verify or not all(
                 then and _times(os.path.join(root, folder)) == then
                 for folder, then in scan.times.items()):
             return None
@@ -488,8 +481,7 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
     for ax, img, label in zip(axes.flat, images, labels.tolist()):
         img = img / 255 if img.dtype == torch.uint8 else img * std + mean
         ax.imshow(img.clamp(0, 1).permute(1, 2, 0).numpy())
-        name = names.get(str(label), "unreadable" if label < 0 else str(label))
-        ax.set_title(printable_path(name))  # a class folder's name that is not UTF-8: escaped
+        ax.set_title(tick_label(names.get(str(label), "unreadable" if label < 0 else str(label))))
         ax.axis("off")
     fig.tight_layout()
     if save_path is None and os.environ.get("DISPLAY"):

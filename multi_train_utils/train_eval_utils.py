@@ -169,8 +169,7 @@ class ResumableSampler(DistributedSampler):
     it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
     order is the same at any world size, so the rest can go to another number of ranks, dealt as
     ``DistributedSampler`` does; with the same world size each rank gets the rest of its own.
-    ``indices``: the epoch's order is of another list, item ``i`` of which is now ``indices[i]``
-    of the dataset (-1: gone), as when the folder has changed since the stop."""
+    ``indices[i]``: the dataset's index of item i of the list the epoch began with (-1: gone)."""
 
     skip, rest = 0, None  # rest: a part-way epoch's samples still to deal, in order
 
