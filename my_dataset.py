@@ -256,9 +256,11 @@ def default_workers(batch_size: int, device: torch.device) -> int:
 def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
     """``DataLoader`` keyword arguments for ``MyDataSet`` batches: the workers stay alive
     between epochs, so an epoch does not start by waiting for them, and ignore stop signals, so
-    a stopping run still gets the batches of its last step; batches are pinned for a GPU."""
+    a stopping run still gets the batches of its last step; batches are pinned for a GPU. Each
+    ``iter()`` draws the workers' seeds from a generator of its own, not dropout's RNG."""
     kwargs: dict[str, Any] = dict(num_workers=workers, collate_fn=MyDataSet.collate_fn,
-                                  pin_memory=device.type == "cuda")
+                                  pin_memory=device.type == "cuda",
+                                  generator=torch.Generator().manual_seed(torch.initial_seed()))
     if workers > 0:  # DataLoader refuses these without workers
         kwargs.update(persistent_workers=True, prefetch_factor=PREFETCH_FACTOR,
                       timeout=LOADER_TIMEOUT_S, worker_init_fn=ignore_stop_signals)

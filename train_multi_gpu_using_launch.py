@@ -139,6 +139,7 @@ def main(args: argparse.Namespace) -> None:
         ckpt = load_checkpoint(ckpt_path, args, classes)
         start_epoch, best_acc, best_loss, history, progress = restore(
             ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
+        scan.resume_epoch(progress, ckpt, out, train_paths)  # a stopped epoch: its own images
     if args.eval_only:
         log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
                                         channels_last=channels_last), classes))
@@ -161,11 +162,11 @@ def main(args: argparse.Namespace) -> None:
     # stands and exit; the same command continues at that batch (docs/resume-and-restarts.md).
     with stop_requests() as stop:
         for epoch in range(start_epoch, args.epochs):
-            train_sampler.set_epoch(epoch, skip=progress.samples)  # a stopped epoch: its rest
+            train_sampler.set_epoch(epoch, skip=progress.samples, indices=progress.indices)
             train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
             state = {"epoch": epoch, "best_acc": best_acc, "best_loss": best_loss,
                      "classes": classes, "args": run_args(args, info, images_per_step),
-                     "metrics": history}
+                     "metrics": history, "file_list": progress.file_list or scan.digest}
             save = partial(save_checkpoint, out, model_without_ddp, optimizer, scaler, state)
             t0 = time.perf_counter()
             train_loss = train_one_epoch(

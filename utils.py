@@ -29,9 +29,9 @@ import torch
 from PIL import Image, ImageDraw, ImageFilter
 from torchvision.transforms import v2
 
-from multi_train_utils.distributed_utils import is_main_process
+from multi_train_utils.distributed_utils import is_main_process, run_on_main
 from multi_train_utils.guard import UserError
-from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, EpochProgress
 from device_decode import BatchAugment
 from my_dataset import MyDataSet, check_image, printable_path
 
@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".gif", ".tif",
                   ".tiff")
 LAYOUT = "one sub-folder of images per class (e.g. flower_photos/daisy/*.jpg)"
-SCAN_FILE = "file_list.json"  # a run's FolderScan; moved aside with the run (checkpoint.RUN_FILES)
+SCAN_FILE = "file_list.json"  # a run's FolderScan; moved aside with the run (run_folder.RUN_FILES)
+STOPPED_SCAN_FILE = "stopped_epoch_file_list.json"  # the list a stopped epoch began with
 
 
 class DataError(UserError):
@@ -60,6 +61,7 @@ class FolderScan:
     times: dict[str, list[int]] = field(default_factory=dict)
     verified: bool = False  # every image's header was read
     reused: bool = False  # read from a run folder's SCAN_FILE, not listed again
+    digest: str = ""  # of the classes and images below the root: which list an epoch drew from
 
     def summary(self, examples: int = 10) -> str:
         """A line of counts, then up to ``examples`` skipped files: one of each reason first,
@@ -74,6 +76,38 @@ class FolderScan:
         shown += [x for x in self.skipped if x not in shown]
         more = f"\n  ... and {len(self.skipped) - examples} more" * (len(self.skipped) > examples)
         return "\n".join([line] + [f"  skipped {p}: {why}" for p, why in shown[:examples]]) + more
+
+    def resume_epoch(self, progress: EpochProgress, ckpt: dict[str, Any], out: Path,
+                     train_paths: list[str]) -> None:
+        """The epoch a stop interrupted (``ckpt``) ends over the images it began with, new ones
+        join at the next: sets ``progress.file_list`` (that list's digest) and, if it is not this
+        one, ``progress.indices`` (its images in ``train_paths``, -1: gone). Every rank calls it;
+        rank 0 reads the list, moved to :data:`STOPPED_SCAN_FILE` as this one is stored."""
+        digest = progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or self.digest
+        kept, epoch, saved = out / STOPPED_SCAN_FILE, ckpt["epoch"], ckpt["args"]
+
+        def indices() -> torch.Tensor | None:
+            if digest == self.digest:
+                return None
+            found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
+                     and old.digest == digest]
+            if not found:  # deleted, or the checkpoint of another run folder
+                log.warning("%s lacks the list epoch %d began with: its rest may repeat or miss "
+                            "images", out, epoch)
+                return None
+            os.replace(found[0][0], kept)  # SCAN_FILE gets the new list, the epoch keeps its own
+            old = found[0][1].rebased(self.root)
+            listed = ([p for paths in old.images for p in paths] if saved.get("val_path")
+                      else split_train_val(old, saved["val_rate"], saved["seed"])[0])
+            where = {path: i for i, path in enumerate(train_paths)}
+            result = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
+            gone = int((result < 0).sum())
+            log.info("%d images added since the stop: they join at epoch %d; %d gone (removed "
+                     "or unreadable): epoch %d goes on without them", len(train_paths)
+                     - len(listed) + gone, epoch + 1, gone, epoch)
+            return result
+
+        progress.indices = run_on_main(indices)
 
     def rebased(self, root: str) -> FolderScan:
         """The same files below ``root``: each machine reads its own copy of rank 0's scan."""
@@ -197,26 +231,47 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
             note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
             raise DataError(f"class folder {folder} has no usable image{note}; add images or "
                             "remove the folder.")
-    return FolderScan(root, classes, images, skipped, times, verified=verify)
+    text = json.dumps([classes, [[p[below:] for p in found] for found in images]])  # ASCII
+    return FolderScan(root, classes, images, skipped, times, verified=verify,
+                      digest=hashlib.sha256(text.encode()).hexdigest())
+
+
+def _read_scan(path: Path) -> FolderScan | None:
+    """The scan stored at ``path`` (None if there is none), below the root it listed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            scan = FolderScan(**json.load(f))
+    except (OSError, ValueError, TypeError):  # none yet, another version's file
+        return None
+    folders = [os.path.join(scan.root, name, "") for name in scan.classes]
+    images = [[folder + p for p in found] for folder, found in zip(folders, scan.images)]
+    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped], reused=True)
 
 
 def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
     """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
-    had then and its headers were read where ``verify`` asks; else None (list again). The times
-    miss a file changed in place: if it no longer decodes, the loader replaces and lists it."""
+    had then, its headers were read where ``verify`` asks and no image it skipped reads now (a
+    file fixed in place, a copy finished); else None (list again). A file changed in place that
+    no longer decodes is replaced and listed by the loader."""
+    scan = _read_scan(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            scan = FolderScan(**json.load(f))
-        if scan.verified < verify or not all(then and _times(os.path.join(root, folder)) == then
-                                             for folder, then in scan.times.items()):
+        if not (scan and scan.digest) or scan.verified < verify or not all(
+                then and _times(os.path.join(root, folder)) == then
+                for folder, then in scan.times.items()):
             return None
-    except (OSError, ValueError, TypeError):  # none yet, a folder gone, another version's file
+    except OSError:  # a folder gone
+        return None
+    scan, prefix = scan.rebased(root), os.path.join(root, "")
+    fixed = [path for path, _ in scan.skipped
+             if (parts := path.removeprefix(prefix).split(os.sep))[0] in scan.classes
+             and path.lower().endswith(IMG_EXTENSIONS)
+             and not any(part.startswith(".") for part in parts) and not check_image(path)]
+    if fixed:
+        log.info("%d skipped file(s) read well now (%s): %s is listed again", len(fixed),
+                 fixed[0], root)
         return None
     log.info("%s is unchanged since %s listed it: not listed again", root, path)
-    folders = [os.path.join(scan.root, name, "") for name in scan.classes]
-    images = [[folder + p for p in found] for folder, found in zip(folders, scan.images)]
-    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped],
-                   reused=True).rebased(root)
+    return scan
 
 
 def split_train_val(scan: FolderScan, val_rate: float, seed: int,
@@ -306,6 +361,7 @@ def _pyplot() -> Any:
 def tick_label(name: str, width: int = 24) -> str:
     """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
     name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
+    name = printable_path(name)  # bytes that are not UTF-8 as \xNN: fonts refuse surrogates
     if len(name) <= width:
         return name
     head = (width - 1) // 2
@@ -381,7 +437,8 @@ def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.
     from torchvision.utils import make_grid
 
     writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_epoch or None)
-    batch = MyDataSet.collate_fn([train_set[i] for i in range(min(16, len(train_set)))])
+    with torch.random.fork_rng(devices=[]):  # the crops leave the RNG as a resume restored it
+        batch = MyDataSet.collate_fn([train_set[i] for i in range(min(16, len(train_set)))])
     images = batch.to_device(torch.device("cpu"))[0] if hasattr(batch, "to_device") else batch[0]
     writer.add_image("train_images", make_grid(images, nrow=8), start_epoch)
     return writer
@@ -424,7 +481,7 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
     for ax, img, label in zip(axes.flat, images, labels.tolist()):
         img = img / 255 if img.dtype == torch.uint8 else img * std + mean
         ax.imshow(img.clamp(0, 1).permute(1, 2, 0).numpy())
-        ax.set_title(names.get(str(label), "unreadable" if label < 0 else str(label)))
+        ax.set_title(tick_label(names.get(str(label), "unreadable" if label < 0 else str(label))))
         ax.axis("off")
     fig.tight_layout()
     if save_path is None and os.environ.get("DISPLAY"):
@@ -438,12 +495,12 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
 
 def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:
     """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename).
-    ``compact``: one line, non-ASCII as ``\\u`` escapes (file names that are not UTF-8 too)."""
+    ``compact``: one line, non-ASCII as ``\\u`` escapes (names that are not UTF-8 always)."""
     path = Path(path)
     text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
     try:
-        tmp.write_bytes((text + "\n").encode("utf-8"))
+        tmp.write_bytes((text + "\n").encode("utf-8", "backslashreplace"))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -495,11 +552,7 @@ def number(kind: type, low: float, high: float = math.inf, *,
     return parse
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type`` for a whole number of at least 1 (predict.py, plot_results.py)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
+positive_int = number(int, 1)  # predict.py, plot_results.py
 
 
 # ---------------------------------------------------------------- demo data

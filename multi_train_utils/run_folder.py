@@ -15,7 +15,7 @@ from .checkpoint import CheckpointError
 log = logging.getLogger("train")
 RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "tensorboard",
              "args.json", "class_indices.json", "skipped_files.txt", "class_distribution.png",
-             "file_list.json", "shards")
+             "file_list.json", "stopped_epoch_file_list.json", "shards")
 
 
 def claim_output_dir(out: Path) -> None:

@@ -161,36 +161,41 @@ class EpochProgress:
     batches_in_epoch: int = 0
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
     stopped: bool = False  # after_step ended the epoch early
+    file_list: str = ""  # a digest of the list the epoch's order is drawn over ("": the dataset)
+    indices: torch.Tensor | None = None  # that list's items as dataset indices, where they differ
 
 
 class ResumableSampler(DistributedSampler):
     """``DistributedSampler`` whose epoch can start part-way: after ``set_epoch(epoch, skip=k)``
     it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
     order is the same at any world size, so the rest can go to another number of ranks, dealt as
-    ``DistributedSampler`` does; with the same world size each rank gets the rest of its own."""
+    ``DistributedSampler`` does; with the same world size each rank gets the rest of its own.
+    ``indices[i]``: the dataset's index of item i of the list the epoch began with (-1: gone)."""
 
-    skip = 0
+    skip, rest = 0, None  # rest: a part-way epoch's samples still to deal, in order
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+    def set_epoch(self, epoch: int, skip: int = 0, indices: torch.Tensor | None = None) -> None:
         super().set_epoch(epoch)
-        self.skip = skip  # for this epoch only: the next set_epoch deals a whole one
+        self.skip, self.rest = skip, None  # for this epoch only: the next deals a whole one
+        if skip or indices is not None:
+            n = len(self.dataset) if indices is None else len(indices)
+            order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+                     if self.shuffle else torch.arange(n))
+            order = order if indices is None else indices[order]
+            self.rest, self.order = order[skip:][order[skip:] >= 0], order[order >= 0]
 
     def __iter__(self) -> Iterator[int]:
-        if not self.skip:
+        if self.rest is None:
             return super().__iter__()
-        order = list(range(len(self.dataset)))
-        if self.shuffle:
-            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(
-                self.seed + self.epoch)).tolist()
-        size = len(self) * self.num_replicas
-        rest = (order[self.skip:] + order * -(-size // len(order)))[:size]  # padded with its start
-        return iter(rest[self.rank::self.num_replicas])
+        size = len(self) * self.num_replicas  # padded with the order's start
+        rest = torch.cat([self.rest, self.order.repeat(-(-size // max(len(self.order), 1)))])
+        return iter(rest[:size][self.rank::self.num_replicas].tolist())
 
     def __len__(self) -> int:
-        if not self.skip:
+        if self.rest is None:
             return super().__len__()
-        rest = max(0, len(self.dataset) - self.skip)
-        return rest // self.num_replicas if self.drop_last else -(-rest // self.num_replicas)
+        rest, world = len(self.rest), self.num_replicas
+        return rest // world if self.drop_last else -(-rest // world)
 
 
 def _batches(data_loader: DataLoader, grad_accum_steps: int, print_freq: int) -> int:

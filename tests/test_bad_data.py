@@ -485,8 +485,9 @@ def test_running_out_of_file_descriptors_is_raised_not_called_a_bad_image(tmp_pa
 
 
 def test_loader_kwargs_turn_a_lost_batch_into_an_error():
-    assert loader_kwargs(0, torch.device("cpu")) == dict(
-        num_workers=0, collate_fn=MyDataSet.collate_fn, pin_memory=False)
+    kwargs = loader_kwargs(0, torch.device("cpu"))
+    assert isinstance(kwargs.pop("generator"), torch.Generator)  # not torch's global RNG
+    assert kwargs == dict(num_workers=0, collate_fn=MyDataSet.collate_fn, pin_memory=False)
     kwargs = loader_kwargs(3, torch.device("cuda", 0))
     assert kwargs["timeout"] == LOADER_TIMEOUT_S == 600 and kwargs["persistent_workers"]
     assert kwargs["pin_memory"] and kwargs["num_workers"] == 3 and kwargs["prefetch_factor"] >= 2
@@ -603,12 +604,14 @@ def test_write_json_atomic_leaves_no_temporary_file_and_normal_permissions(tmp_p
         assert target.stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(old_umask)
-    with pytest.raises(UnicodeEncodeError):  # a surrogate-escaped name: nothing written
-        write_json_atomic(target, {"0": "caf\udce9"})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError):  # nothing written
         write_json_atomic(target, {"0": object()})
     assert [p.name for p in tmp_path.iterdir()] == ["class_indices.json"]
     assert json.loads(target.read_text(encoding="utf-8")) == {"0": "a"}
+    names = {"0": "caf\udce9", "1": "caf\u00e9"}  # a folder name that is not UTF-8, one that is
+    write_json_atomic(target, names)
+    assert json.loads(target.read_text(encoding="utf-8")) == names
+    assert "caf\\udce9" in target.read_text(encoding="utf-8")  # an escape: the file is UTF-8
 
 
 def test_path_flags_expand_home_and_refuse_an_empty_value(monkeypatch):

@@ -153,11 +153,13 @@ def test_out_dir_that_is_a_file_exits_2(runs: tuple[Path, Path], tmp_path: Path,
     assert blocker.read_text() == "a file where the folder should be"
 
 
-@pytest.mark.parametrize("dpi", ["0", "-5", "x"])
-def test_non_positive_dpi_is_rejected_by_the_parser(tmp_path: Path, dpi: str,
+@pytest.mark.parametrize("dpi, message", [("0", "must be at least 1, not 0"),
+                                          ("-5", "must be at least 1, not -5"),
+                                          ("x", "invalid int value: 'x'")])
+def test_non_positive_dpi_is_rejected_by_the_parser(tmp_path: Path, dpi: str, message: str,
                                                     capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         plot_results.get_args_parser().parse_args([str(tmp_path), "--out-dir",
                                                    str(tmp_path / "p"), "--dpi", dpi])
     assert exc.value.code == 2
-    assert f"--dpi: expected a positive integer, got '{dpi}'" in capsys.readouterr().err
+    assert f"--dpi: {message}" in capsys.readouterr().err
