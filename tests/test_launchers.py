@@ -273,7 +273,7 @@ def test_help_shows_groups_and_defaults(script, expected, absent, capsys, monkey
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps by terminal width
     assert text.startswith("usage: ")
     for item in ["data:", "model:", "optimisation:", "distributed:", "run:", "(default: 30)",
-                 "or resnet34)", "(default: env://)", *expected]:
+                 "(default: resnet34)", "(default: env://)", *expected]:
         assert item in text, f"{script} --help lacks {item!r}"
     for item in absent:
         assert item not in text
