@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import shlex
 import sys
 from pathlib import Path
@@ -75,6 +76,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             args.stages[:args.stages.index("with_data")]):
         sys.exit("error: --stages with_data compares with the pipeline and loop stages: put "
                  "them before it.")
+    if args.start_method == "forkserver":  # the ranks' imports, once, in the server
+        multiprocessing.set_forkserver_preload(["benchmarks.scaling", "benchmarks.preemption"])
     if args.workers is not None and args.workers < 0:
         sys.exit(f"error: --workers must be 0 or more, not {args.workers}.")
     try:
@@ -190,6 +193,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--startup-files", type=int, nargs="+", default=list(startup.FILES),
                         help="folder sizes the startup stage times (hard links, made and "
                              "deleted in a temporary folder)")
+    parser.add_argument("--start-method", default="spawn", choices=["spawn", "forkserver"],
+                        help="how the scaling and preemption ranks start: spawn (each a clean "
+                             "process) or forkserver (forked from one that imported torch once: "
+                             "quicker start-up, for smoke runs)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the generated photos and the synthetic batches")
     parser.add_argument("--output-dir", default="benchmark_results", type=path_flag,

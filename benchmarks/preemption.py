@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) 
     log.info("preemption: %d process(es), the stop poll and one mid-epoch save", nprocs)
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as result_dir:
         mp.start_processes(preemption_worker, args=(args, nprocs, find_free_port(), result_dir),
-                           nprocs=nprocs, join=True, start_method="spawn")
+                           nprocs=nprocs, join=True, start_method=args.start_method)
         ranks = [json.loads((Path(result_dir) / f"rank{r}.json").read_text())
                  for r in range(nprocs)]
         size_mb = (Path(result_dir) / "checkpoint.pth").stat().st_size / 1e6

@@ -169,7 +169,7 @@ def _run_scaling(args: argparse.Namespace, device: torch.device, nprocs: int, va
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as result_dir:
         mp.start_processes(scaling_worker,
                            args=(args, nprocs, find_free_port(), result_dir, variant, comm_hook),
-                           nprocs=nprocs, join=True, start_method="spawn")
+                           nprocs=nprocs, join=True, start_method=args.start_method)
         ranks = [json.loads((Path(result_dir) / f"rank{r}.json").read_text())
                  for r in range(nprocs)]
     per_repeat = [max(rank["seconds"][i] for rank in ranks) for i in range(args.repeats)]

@@ -13,13 +13,12 @@ import re
 import statistics
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run
+from conftest import ROOT
 from PIL import Image
 
 from model import get_model
@@ -27,20 +26,28 @@ from my_dataset import default_workers
 
 TINY_BENCH = ["--device", "cpu", "--model", "resnet18", "--img-size", "32", "--batch-size", "2",
               "--pipeline-images", "4", "--pipeline-size", "64", "--steps", "2",
-              "--warmup-steps", "1", "--repeats", "2", "--max-procs", "2", "--epoch-images", "100"]
+              "--warmup-steps", "1", "--repeats", "2", "--max-procs", "2", "--epoch-images", "100",
+              "--start-method", "forkserver"]  # the ranks' torch import once, not 11 times
 
 
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+# ``python -m benchmarks ARGS`` run by ``plain`` (conftest): in a process forked from one that has
+# imported torch already, so the command costs no import of its own.
+AS_BENCHMARKS = ("import runpy, sys\n"
+                 "runpy.run_module('benchmarks', run_name='__main__', alter_sys=True)\n"
+                 "sys.exit(0)\n")
+
+
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def bench(tmp_path_factory, plain):
     """One tiny benchmark run shared by the checks below: (process, output dir, tmp dir)."""
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "results"
-    proc = run([sys.executable, "-m", "benchmarks", *TINY_BENCH, "--output-dir", str(out),
-                "--image-dir", str(tmp / "photos")], timeout=240)
+    proc = plain([*TINY_BENCH, "--output-dir", str(out), "--image-dir", str(tmp / "photos")],
+                 patch=AS_BENCHMARKS, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out, tmp
 
@@ -316,9 +323,9 @@ def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
     assert not out.exists()
 
 
-def test_bad_size_from_the_command_line_is_one_line_and_exit_1(tmp_path):
-    proc = run([sys.executable, "-m", "benchmarks", "--device", "cpu", "--steps", "0",
-                "--output-dir", str(tmp_path / "out")], timeout=120)
+def test_bad_size_from_the_command_line_is_one_line_and_exit_1(tmp_path, plain):
+    proc = plain(["--device", "cpu", "--steps", "0", "--output-dir", str(tmp_path / "out")],
+                 patch=AS_BENCHMARKS, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == "error: --steps must be at least 1, not 0."
     assert "Traceback" not in proc.stderr

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import LAUNCH, flags, read_metrics, run, torchrun_cmd
+from conftest import LAUNCH, flags, read_metrics
 from PIL import Image
 from test_bad_data import jpeg_without_scan, write_jpeg
+from test_launchers import TORCHRUN
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
@@ -240,15 +241,15 @@ def test_a_messy_folder_trains_with_device_decoding_and_lists_its_bad_files(tiny
 
 
 def test_two_processes_with_device_decoding_train_as_with_workers(reference_run, tiny_data,
-                                                                  tmp_path):
+                                                                  tmp_path, plain):
     """Epoch 0 of the 3-epoch reference run (torchrun, 2 processes, ``--decode workers``; the
     cosine schedule gives epoch 0 the same lr in any run) against one epoch with ``--decode
     device``. On the CPU both paths give the same pixels, so the numbers must agree to their
     rounding: a tolerance would hide a real difference here, where ResNet18 on 4 images of
     32 px a step amplifies a grey level in one pixel into a visibly different loss."""
     out = tmp_path / "run"
-    res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "1", "--decode",
-                                             "device")))
+    res = plain(["--standalone", "--nproc_per_node=2", LAUNCH,
+                 *flags(tiny_data, out, "--epochs", "1", "--decode", "device")], patch=TORCHRUN)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     (got,), want = read_metrics(out), read_metrics(reference_run.out)[0]
     for key in ("train_loss", "val_acc", "val_loss"):

@@ -18,7 +18,8 @@ import torch
 import torchvision
 
 from conftest import (LAUNCH, ROOT, SPAWN, assert_user_error, error_lines, flags, free_port,
-                      load_ckpt, make_probe, read_metrics, run, torchrun_cmd)
+                      load_ckpt, make_probe, read_metrics)
+from my_dataset import default_workers
 from utils import make_demo_data
 
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
@@ -26,6 +27,23 @@ CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 
 def cosine(epoch: int, epochs: int, lrf: float = 0.1) -> float:
     return (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf
+
+
+def launcher(name: str) -> str:
+    """A ``plain`` patch: the forked process runs a launcher in place of the training script, as
+    ``python -m torch.distributed.run ARGV`` (``name`` a module) or ``python SPAWN ARGV`` would,
+    and exits with its status. Only the launcher's own import of torch is saved: the ranks it
+    starts are fresh processes, as always."""
+    if name == SPAWN:
+        start = (f"sys.argv[0] = {str(ROOT / SPAWN)!r}\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+    else:
+        start = f"from {name} import main\nsys.argv[0] = {name!r}\nmain()"
+    return f"import runpy, sys\n{start}\nsys.exit(0)\n"
+
+
+TORCHRUN, LEGACY, SPAWNED = (launcher(name) for name in ("torch.distributed.run",
+                                                         "torch.distributed.launch", SPAWN))
 
 
 def check_run_folder(out: Path, epochs: int, world_size: int) -> None:
@@ -66,16 +84,15 @@ def test_weights_are_bare_and_load_strictly_into_torchvision_resnet18(reference_
 
 
 @pytest.fixture(scope="module")
-def legacy_run(tiny_data, tmp_path_factory):
+def legacy_run(tiny_data, tmp_path_factory, plain):
     """``python -m torch.distributed.launch --use_env``, the classic command line's flags
     (``--syncBN False``, ``--world-size 2``), recorded by the probe."""
     tmp = tmp_path_factory.mktemp("legacy")
     probe, out = make_probe(tmp), tmp / "run"
-    res = run([sys.executable, "-m", "torch.distributed.launch", "--use_env",
-               "--nproc_per_node=2", f"--master_port={free_port()}", probe.script, LAUNCH,
-               *flags(tiny_data, out, "--epochs", "1", "--syncBN", "False", "--world-size", "2",
-                      "--find-unused-parameters")],
-              **probe.env)
+    res = plain(["--use_env", "--nproc_per_node=2", f"--master_port={free_port()}", probe.script,
+                 LAUNCH, *flags(tiny_data, out, "--epochs", "1", "--syncBN", "False",
+                                "--world-size", "2", "--find-unused-parameters")],
+                patch=LEGACY, **probe.env)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return out, probe.records()
 
@@ -92,20 +109,24 @@ def test_syncBN_False_trains_with_plain_batchnorm(legacy_run):
     assert [r["find_unused"] for r in ddp] == [True, True]  # --find-unused-parameters reached DDP
 
 
-def test_spawn_launcher_two_cpu_processes(tiny_data, tmp_path):
+def test_spawn_launcher_two_cpu_processes(tiny_data, tmp_path, plain):
     out = tmp_path / "run"
-    res = run([sys.executable, SPAWN, "--world-size", "2",
-               *flags(tiny_data, out, "--epochs", "1", "--num_classes", "5")])  # as the folders
+    res = plain(["--world-size", "2", *flags(tiny_data, out, "--epochs", "1", "--num_classes",
+                                              "5")], patch=SPAWNED)  # as the folders
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     check_run_folder(out, epochs=1, world_size=2)
 
 
-def test_plain_python_one_process(tiny_data, tmp_path):
+def test_plain_python_one_process(tiny_data, tmp_path, plain):
     out = tmp_path / "run"
-    res = run([sys.executable, LAUNCH, *flags(tiny_data, out, "--epochs", "1")])
+    args = flags(tiny_data, out, "--epochs", "1")
+    del args[args.index("--workers"):args.index("--workers") + 2]  # the default
+    res = plain(args)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     check_run_folder(out, epochs=1, world_size=1)
     assert read_metrics(out)[0]["lr"] == pytest.approx(0.001)  # one process: --lr as given
+    # The start-up line says the worker count the default resolved to (TINY_FLAGS' batch 4).
+    assert f"{default_workers(4, torch.device('cpu'))} loader workers" in res.stdout + res.stderr
 
 
 # ---------------------------------------------------------------- what DDP trained with
@@ -128,15 +149,15 @@ VAL_IMAGES = 15  # odd: 2 ranks pad it to 16, and the padded duplicate must not 
 
 
 @pytest.fixture(scope="module")
-def probed_run(messy, tmp_path_factory):
+def probed_run(messy, tmp_path_factory, plain):
     """torchrun, 2 processes, 2 epochs on the messy folder, validated on a separate folder of 15
     images, recorded by the probe."""
     tmp = tmp_path_factory.mktemp("probed")
     probe, out = make_probe(tmp), tmp / "run"
     val = make_demo_data(tmp / "val", per_class=VAL_IMAGES // 5, size=32)
-    res = run(torchrun_cmd(2, probe.script, LAUNCH, *flags(messy, out, "--epochs", "2",
-                                                            "--val-path", str(val))),
-              **probe.env)
+    res = plain(["--standalone", "--nproc_per_node=2", probe.script, LAUNCH,
+                 *flags(messy, out, "--epochs", "2", "--val-path", str(val))],
+                patch=TORCHRUN, **probe.env)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return out, val, probe.records()
 
@@ -294,21 +315,22 @@ def test_a_user_error_is_one_line_and_exit_2(case, tiny_data, tmp_path, plain):
     (["--dist-url", "tcp://host"], "tcp://HOST:PORT"),
 ])
 def test_the_spawn_launchers_own_checks_are_one_line_and_exit_2(extra, needle, tiny_data,
-                                                                 tmp_path):
+                                                                 tmp_path, plain):
     # No GPU visible, on a GPU machine too: there --device cuda is the mistake tested.
-    res = run([sys.executable, SPAWN, *flags(tiny_data, tmp_path / "out", "--epochs", "1"),
-               *extra], timeout=120, CUDA_VISIBLE_DEVICES="")
+    res = plain([*flags(tiny_data, tmp_path / "out", "--epochs", "1"), *extra], patch=SPAWNED,
+                timeout=120, CUDA_VISIBLE_DEVICES="")
     assert_user_error(res, needle)
     assert not (tmp_path / "out").exists()  # stopped before it started any process
 
 
 @pytest.mark.parametrize("mistake", ["missing data path", "--num_classes 7 for 5 folders"])
-def test_a_user_error_under_torchrun_stops_every_rank(mistake, tiny_data, tmp_path):
+def test_a_user_error_under_torchrun_stops_every_rank(mistake, tiny_data, tmp_path, plain):
     data, extra, needle = tiny_data, ["--num_classes", "7"], "--num-classes 7, but"
     if mistake == "missing data path":
         data, extra, needle = tmp_path / "nope", [], str(tmp_path / "nope")
-    res = run(torchrun_cmd(2, LAUNCH, *flags(data, tmp_path / "out", "--epochs", "1", *extra)),
-              timeout=120)
+    res = plain(["--standalone", "--nproc_per_node=2", LAUNCH,
+                 *flags(data, tmp_path / "out", "--epochs", "1", *extra)], patch=TORCHRUN,
+                timeout=120)
     text = res.stdout + res.stderr
     assert res.returncode != 0
     lines = error_lines(text)
@@ -318,10 +340,11 @@ def test_a_user_error_under_torchrun_stops_every_rank(mistake, tiny_data, tmp_pa
     assert not (tmp_path / "out" / "checkpoint.pth").exists()
 
 
-def test_num_classes_that_disagree_with_the_folders_stop_the_spawn_launcher(tiny_data, tmp_path):
-    res = run([sys.executable, SPAWN, "--world-size", "2",
-               *flags(tiny_data, tmp_path / "out", "--epochs", "1", "--num-classes", "7")],
-              timeout=120)
+def test_num_classes_that_disagree_with_the_folders_stop_the_spawn_launcher(tiny_data, tmp_path,
+                                                                           plain):
+    res = plain(["--world-size", "2",
+                 *flags(tiny_data, tmp_path / "out", "--epochs", "1", "--num-classes", "7")],
+                patch=SPAWNED, timeout=120)
     line = assert_user_error(res, "--num-classes 7, but", str(tiny_data), "5 class folders")
     assert line.startswith("error: ")  # rank 0's line only; the launcher adds none
     assert not (tmp_path / "out" / "checkpoint.pth").exists()

@@ -1,6 +1,7 @@
 """The default loader workers follow the machine, and the next batch is copied while one trains.
 
-``my_dataset.default_workers`` is checked with mocked CPU counts; ``prefetch_to_device`` on CPU
+``my_dataset.default_workers`` is checked with mocked CPU counts (the start-up line that says the
+resolved count, in test_launchers.py's one-process run); ``prefetch_to_device`` on CPU
 (the batches pass through untouched) and, with a fake stream API, in the order its CUDA path
 queues copies (or ``--decode device``'s decodes, each after a host wait for the side stream),
 events, waits and ``record_stream`` calls. A real GPU, where there is one, checks it too.
@@ -16,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, flags
+from conftest import ROOT
 
 import device_decode
 import my_dataset
@@ -50,15 +51,6 @@ def test_default_workers_take_this_process_share_of_the_cpus(monkeypatch):
     assert my_dataset.default_workers(256, CPU) == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert my_dataset.default_workers(256, CUDA) == 15
-
-
-def test_the_start_up_line_says_the_resolved_worker_count(plain, tiny_data, tmp_path):
-    args = flags(tiny_data, tmp_path / "run", "--epochs", "1")
-    del args[args.index("--workers"):args.index("--workers") + 2]  # the default
-    res = plain(args)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    expected = my_dataset.default_workers(4, CPU)  # TINY_FLAGS' batch 4, in this process
-    assert f"{expected} loader workers" in res.stdout + res.stderr
 
 
 def test_on_cpu_the_batches_pass_through_untouched_and_in_order():

@@ -6,8 +6,6 @@ The metrics below are synthetic (this is a test); the script itself must plot on
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,11 +54,12 @@ def _main(capsys: pytest.CaptureFixture, *argv: str | Path) -> tuple[int, list[s
     return code, out.splitlines(), err.splitlines()
 
 
-def test_cli_writes_three_valid_pngs(runs: tuple[Path, Path], tmp_path: Path) -> None:
+def test_cli_writes_three_valid_pngs(runs: tuple[Path, Path], tmp_path: Path, plain) -> None:
+    # ``python plot_results.py ARGS`` in a process forked from one that imported torch (conftest)
     out = tmp_path / "plots"
-    result = subprocess.run([sys.executable, str(ROOT / "plot_results.py"), *map(str, runs),
-                             "--out-dir", str(out), "--labels", "A", "B"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = plain([*map(str, runs), "--out-dir", str(out), "--labels", "A", "B"], timeout=120,
+                   patch=f"import runpy, sys\nsys.argv[0] = {str(ROOT / 'plot_results.py')!r}\n"
+                         "runpy.run_path(sys.argv[0], run_name='__main__')\nsys.exit(0)\n")
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [str(out / name) for name in PNGS]

@@ -92,9 +92,14 @@ def _main(capsys: pytest.CaptureFixture, *argv: str | Path) -> tuple[int, list[s
     return code, out.splitlines(), err.splitlines()
 
 
-def _cli(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "predict.py"), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, **kwargs)
+# Run by ``plain`` (conftest): ``python predict.py ARGS`` in a process forked from one that has
+# imported torch already, so the command line costs no torch import.
+AS_PREDICT = (f"import runpy, sys\nsys.argv[0] = {str(ROOT / 'predict.py')!r}\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\nsys.exit(0)\n")
+
+
+def _cli(plain, *args: str | Path) -> subprocess.CompletedProcess:
+    return plain([str(a) for a in args], patch=AS_PREDICT, timeout=120)
 
 
 def test_predict_matches_direct_forward(run: dict) -> None:
@@ -182,12 +187,13 @@ def test_bare_weights_read_the_runs_files_and_flags_override(run: dict, tmp_path
     assert warning.startswith("warning: ") and "224 px" in warning and "--img-size" in warning
 
 
-def test_bad_images_are_reported_and_the_rest_predicted_exit_1(run: dict, tmp_path: Path) -> None:
+def test_bad_images_are_reported_and_the_rest_predicted_exit_1(run: dict, tmp_path: Path,
+                                                               plain) -> None:
     empty = tmp_path / "empty.png"
     empty.touch()
     good = run["images"][0]
 
-    result = _cli("--weights", run["dir"] / "checkpoint.pth", run["bad"], good, empty,
+    result = _cli(plain, "--weights", run["dir"] / "checkpoint.pth", run["bad"], good, empty,
                   tmp_path / "typo.jpg")
 
     assert result.returncode == 1
@@ -205,10 +211,10 @@ def _write_classes(path: Path, names: list[str]) -> Path:
     return path
 
 
-def test_class_count_mismatch_is_one_error_line_exit_2(run: dict, tmp_path: Path) -> None:
+def test_class_count_mismatch_is_one_error_line_exit_2(run: dict, tmp_path: Path, plain) -> None:
     four = _write_classes(tmp_path / "four.json", [*CLASSES, "sunflower"])
 
-    result = _cli("--weights", run["dir"] / "checkpoint.pth", "--class-indices", four,
+    result = _cli(plain, "--weights", run["dir"] / "checkpoint.pth", "--class-indices", four,
                   run["images"][0])
 
     assert (result.returncode, result.stdout) == (2, "")
