@@ -44,8 +44,8 @@ def _data_loader(paths: Sequence[str], args: argparse.Namespace, device: torch.d
     dataset = MyDataSet([paths[i % len(paths)] for i in range(count)],
                         [i % args.num_classes for i in range(count)],
                         get_transforms(args.img_size, decode)["train"], seed=args.seed)
+    torch.manual_seed(args.seed)  # loader_kwargs' generator starts from it: the same shuffle
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                      generator=torch.Generator().manual_seed(args.seed),
                       **loader_kwargs(workers, device))
 
 
