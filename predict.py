@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from model import MODELS, get_model
 from multi_train_utils.checkpoint import extract_state_dict, load_file, save_atomic
+from multi_train_utils.distributed_utils import pick_device
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import prepare_images
 from my_dataset import check_image, load_image_tensor, printable_path
@@ -187,22 +188,9 @@ def format_prediction(pred: Prediction) -> str:
     return "\t".join([printable_path(pred.path), *pairs])
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N.") from None
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: {torch.cuda.device_count()} GPU(s) visible; "
-                        "use --device cpu.")
-    return device
-
-
 def main(args: argparse.Namespace) -> None:
     try:
-        device = _device(args.device)
+        device = pick_device(args.device)  # a mistake: one error line, as in training
         if not (args.images or args.export):
             raise UserError("no images given: name image files or folders (or --export FILE).")
         model, classes, img_size = load_predictor(args.weights, model=args.model,
@@ -256,7 +244,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group = parser.add_argument_group("inference")
     group.add_argument("--top-k", type=positive_int, default=5, help="classes printed per image")
     group.add_argument("--device", default="auto",
-                       help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+                       help="auto (CUDA if available), cpu, cuda or cuda:N")
     group.add_argument("--batch-size", type=positive_int, default=32,
                        help="images per forward pass")
     return parser
