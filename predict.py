@@ -39,7 +39,6 @@ from multi_train_utils.train_eval_utils import prepare_images
 from my_dataset import check_image, load_image_tensor, printable_path
 from utils import IMG_EXTENSIONS, HelpFormatter, get_transforms, path_flag, positive_int
 
-# Used only when neither the command line nor the run's recorded arguments say otherwise.
 DEFAULT_MODEL = "resnet34"
 DEFAULT_IMG_SIZE = 224
 
@@ -103,7 +102,7 @@ def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int) -> n
 
 
 def load_predictor(weights: Path | str, *, model: str | None = None, img_size: int | None = None,
-                   class_indices: Path | None = None) -> tuple[nn.Module, list[str], int]:
+                   class_indices: Path | str | None = None) -> tuple[nn.Module, list[str], int]:
     """``(model in eval mode on the CPU, class names, image size)`` for ``weights``; the
     keyword arguments override what the checkpoint or the run's files record."""
     weights = Path(weights)
@@ -115,7 +114,7 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
         recorded = _read_args(run_file(weights, "args.json"))
     classes = obj.get("classes") if full else None
     if class_indices is not None:
-        classes = load_class_names(class_indices)
+        classes = load_class_names(Path(class_indices))
     elif not classes:
         found = run_file(weights, "class_indices.json")
         if found is None:
@@ -132,11 +131,11 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     return net, list(classes), int(size or DEFAULT_IMG_SIZE)
 
 
-def collect_images(inputs: Sequence[Path]) -> list[Path]:
+def collect_images(inputs: Sequence[Path | str]) -> list[Path]:
     """Files as given (a missing one is reported per image later, so one typo does not stop the
     rest), folders as the image files below them, sorted; hidden files and folders skipped."""
     paths: list[Path] = []
-    for given in inputs:
+    for given in map(Path, inputs):
         if not given.is_dir():
             paths.append(given)
             continue
@@ -217,25 +216,21 @@ def main(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def _path(text: str) -> Path:
-    return Path(path_flag(text))  # "~/x" arrives unexpanded when quoted or written --weights=~/x
-
-
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Classify images with a trained checkpoint.",
                                      add_help=add_help, formatter_class=HelpFormatter)
-    parser.add_argument("images", nargs="*", type=_path, metavar="IMAGE",
+    parser.add_argument("images", nargs="*", type=path_flag, metavar="IMAGE",
                         help="image files, or folders searched recursively for image files")
     group = parser.add_argument_group("model")
-    group.add_argument("--weights", type=_path, required=True, metavar="PATH",
+    group.add_argument("--weights", type=path_flag, required=True, metavar="PATH",
                        help="checkpoint.pth / model_best.pth, or bare weights/model-N.pth")
-    group.add_argument("--class-indices", type=_path, metavar="PATH",
+    group.add_argument("--class-indices", type=path_flag, metavar="PATH",
                        help="JSON index -> class name (default: the checkpoint's own list, else "
                             "class_indices.json beside --weights or one folder up)")
     group.add_argument("--model", choices=list(MODELS),
                        help="architecture (default: as recorded in training, "
                             f"else {DEFAULT_MODEL})")
-    group.add_argument("--export", type=_path, metavar="FILE",
+    group.add_argument("--export", type=path_flag, metavar="FILE",
                        help="write the model's weights to FILE (a state dict torchvision loads; "
                             "from any checkpoint, sharded or not) instead of predicting")
     group.add_argument("--img-size", type=positive_int,
