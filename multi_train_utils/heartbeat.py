@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import statistics
+import sys
 import threading
 import time
 from typing import Any
@@ -35,6 +36,7 @@ class Heartbeat:
         store = dist.distributed_c10d._get_default_store()  # torchrun's, or init_process_group's
         self.store, self.rank, self.world_size, self.limits = store, rank, world_size, limits
         self.node, self._stop, self._fast_in = socket.gethostname(), threading.Event(), 0
+        self.nccl = dist.get_backend() == "nccl"
         with contextlib.suppress(OSError):  # a pid names this process in its namespace only
             self.node += os.readlink("/proc/self/ns/pid")
         self.at("starting", epoch=None, step=0, steps=0)
@@ -54,14 +56,22 @@ class Heartbeat:
         if phase in SLOW_PHASES or phase == "forward" and self._fast_in:
             # The second forward after a slow phase: all ranks met since, short again.
             self._fast_in = 2 if phase in SLOW_PHASES else self._fast_in - 1
-            dist.set_timeout(datetime.timedelta(seconds=self.limits[self._fast_in == 0]))
+            self.limit = self.limits[self._fast_in == 0]
+            dist.set_timeout(datetime.timedelta(seconds=self.limit))
 
     def _beat(self, store: Any, stopped: threading.Event) -> None:
-        mine = {"host": socket.gethostname(), "pid": os.getpid(), "node": self.node}
+        mine, seen = {"host": socket.gethostname(), "pid": os.getpid(), "node": self.node}, None
         with contextlib.suppress(Exception):  # the store's host is gone: the run is ending
             while not stopped.is_set():
                 store.set(f"heartbeat/{self.rank}", json.dumps({**self.place, **mine,
                                                                  "beat": time.time()}))
+                # NCCL's watchdog ends the process at the timeout, with no error for Python to
+                # name the missing ranks in: name them just before.
+                stuck = time.monotonic() - self.place["since"] > self.limit - 3
+                if self.nccl and stuck and seen is not self.place:  # once in each place
+                    seen, names = self.place, self.missing()
+                    if names:
+                        print(f"error: {names}; NCCL ends this rank now.", file=sys.stderr)
                 stopped.wait(1.0)
 
     def missing(self) -> str:

@@ -104,6 +104,7 @@ def test_the_ranks_named_the_time_limits_and_the_slowest(monkeypatch):
     limits: list[float] = []
     monkeypatch.setattr(dist, "set_timeout", lambda t: limits.append(t.total_seconds()))
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", FakeStore)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
     beat = Heartbeat()
     beat.start(0, 5, (600.0, 120.0))
     try:
