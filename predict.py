@@ -1,13 +1,10 @@
-"""Classify images with weights written by the training script.
+"""Classify images with weights written by the training script (docs/evaluate-and-predict.md).
 
     python predict.py --weights runs/train/model_best.pth tulip.jpg photos/
     python predict.py --weights runs/train/weights/model-29.pth --top-k 1 photos/
 
 Each image (folders: every image below them) prints one tab-separated line: its path, then the
-top-k ``class: probability`` pairs. A checkpoint carries its class names and flags, so it works
-copied anywhere; bare weights (``weights/model-N.pth``) take them from the run's
-``class_indices.json`` and ``args.json``, beside them or one folder up. An unreadable image is
-reported on stderr and the rest predicted (exit code 1); a flag mistake is one ``error:`` line.
+top-k ``class: probability`` pairs; an unreadable image is reported on stderr (exit code 1).
 
 From Python::
 
