@@ -73,8 +73,8 @@ class BatchAugment:
         sample = Encoded(sample, tuple(sample.shape[1:])) if torch.is_tensor(sample) else sample
         (height, width), (first, second) = sample.hw, self.steps
         shape = torch.empty(0, height, width)  # no pixels: v2 reads the size from it
-        if isinstance(first, v2.RandomResizedCrop):  # make_params: public from torchvision 0.21
-            params = (getattr(first, "make_params", None) or first._get_params)([shape])
+        if isinstance(first, v2.RandomResizedCrop):
+            params = first.make_params([shape])
             box = (params["top"], params["left"], params["height"], params["width"])
             flip = bool(torch.rand(1) < second.p)  # v2 keeps the image if rand(1) >= p
             return sample._replace(plan=Plan(box, first.size, (0, 0, *first.size), flip))

@@ -52,7 +52,6 @@ class ResNet(torchvision.models.ResNet):
             del self.avgpool, self.fc
 
     def forward(self, x: Tensor) -> Tensor:
-        """``(N, 3, H, W) -> (N, num_classes)`` logits; the feature map if ``include_top=False``."""
         if self.include_top:
             return super().forward(x)
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -105,7 +104,6 @@ def get_model(name: str, **kwargs: Any) -> ResNet:
 
 
 def _batchnorm_eval(model: nn.Module, inputs: Any) -> None:
-    """Forward pre-hook of :func:`freeze_backbone`: every BatchNorm uses its running statistics."""
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eval()

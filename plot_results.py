@@ -100,7 +100,6 @@ def _new_figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Any]:
 
 
 def plot_accuracy(runs: Sequence[Run]) -> Figure:
-    """Validation top-1 accuracy (in %) against epoch, one line per run."""
     fig, ax = _new_figure("Validation accuracy", "epoch", "top-1 accuracy (%)")
     for i, run in enumerate(runs):
         epochs, acc = run.series("val_acc")
@@ -111,7 +110,6 @@ def plot_accuracy(runs: Sequence[Run]) -> Figure:
 
 
 def plot_loss(runs: Sequence[Run]) -> Figure:
-    """Training loss (solid) and, where recorded, validation loss (dashed, same colour) per run."""
     fig, ax = _new_figure("Loss", "epoch", "cross-entropy loss")
     for i, run in enumerate(runs):
         ax.plot(*run.series("train_loss"), color=f"C{i}", label=f"{run.label} train")
@@ -123,7 +121,6 @@ def plot_loss(runs: Sequence[Run]) -> Figure:
 
 
 def plot_epoch_time(runs: Sequence[Run]) -> Figure:
-    """Mean wall-clock seconds per epoch, one bar per run, with the value written on the bar."""
     fig, ax = _new_figure("Time per epoch", "", "mean seconds per epoch")
     means = [math.fsum(s) / len(s) for s in (run.series("epoch_seconds")[1] for run in runs)]
     positions = list(range(len(runs)))

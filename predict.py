@@ -1,13 +1,10 @@
-"""Classify images with weights written by the training script.
+"""Classify images with weights written by the training script (docs/evaluate-and-predict.md).
 
     python predict.py --weights runs/train/model_best.pth tulip.jpg photos/
     python predict.py --weights runs/train/weights/model-29.pth --top-k 1 photos/
 
 Each image (folders: every image below them) prints one tab-separated line: its path, then the
-top-k ``class: probability`` pairs. A checkpoint carries its class names and flags, so it works
-copied anywhere; bare weights (``weights/model-N.pth``) take them from the run's
-``class_indices.json`` and ``args.json``, beside them or one folder up. An unreadable image is
-reported on stderr and the rest predicted (exit code 1); a flag mistake is one ``error:`` line.
+top-k ``class: probability`` pairs; an unreadable image is reported on stderr (exit code 1).
 
 From Python::
 
@@ -33,12 +30,12 @@ from torch import Tensor, nn
 
 from model import MODELS, get_model
 from multi_train_utils.checkpoint import extract_state_dict, load_file, save_atomic
+from multi_train_utils.distributed_utils import pick_device
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import prepare_images
 from my_dataset import check_image, load_image_tensor, printable_path
 from utils import IMG_EXTENSIONS, HelpFormatter, get_transforms, path_flag, positive_int
 
-# Used only when neither the command line nor the run's recorded arguments say otherwise.
 DEFAULT_MODEL = "resnet34"
 DEFAULT_IMG_SIZE = 224
 
@@ -102,7 +99,7 @@ def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int) -> n
 
 
 def load_predictor(weights: Path | str, *, model: str | None = None, img_size: int | None = None,
-                   class_indices: Path | None = None) -> tuple[nn.Module, list[str], int]:
+                   class_indices: Path | str | None = None) -> tuple[nn.Module, list[str], int]:
     """``(model in eval mode on the CPU, class names, image size)`` for ``weights``; the
     keyword arguments override what the checkpoint or the run's files record."""
     weights = Path(weights)
@@ -114,7 +111,7 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
         recorded = _read_args(run_file(weights, "args.json"))
     classes = obj.get("classes") if full else None
     if class_indices is not None:
-        classes = load_class_names(class_indices)
+        classes = load_class_names(Path(class_indices))
     elif not classes:
         found = run_file(weights, "class_indices.json")
         if found is None:
@@ -131,11 +128,11 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     return net, list(classes), int(size or DEFAULT_IMG_SIZE)
 
 
-def collect_images(inputs: Sequence[Path]) -> list[Path]:
+def collect_images(inputs: Sequence[Path | str]) -> list[Path]:
     """Files as given (a missing one is reported per image later, so one typo does not stop the
     rest), folders as the image files below them, sorted; hidden files and folders skipped."""
     paths: list[Path] = []
-    for given in inputs:
+    for given in map(Path, inputs):
         if not given.is_dir():
             paths.append(given)
             continue
@@ -187,22 +184,9 @@ def format_prediction(pred: Prediction) -> str:
     return "\t".join([printable_path(pred.path), *pairs])
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N.") from None
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: {torch.cuda.device_count()} GPU(s) visible; "
-                        "use --device cpu.")
-    return device
-
-
 def main(args: argparse.Namespace) -> None:
     try:
-        device = _device(args.device)
+        device = pick_device(args.device)  # a mistake: one error line, as in training
         if not (args.images or args.export):
             raise UserError("no images given: name image files or folders (or --export FILE).")
         model, classes, img_size = load_predictor(args.weights, model=args.model,
@@ -229,25 +213,21 @@ def main(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def _path(text: str) -> Path:
-    return Path(path_flag(text))  # "~/x" arrives unexpanded when quoted or written --weights=~/x
-
-
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Classify images with a trained checkpoint.",
                                      add_help=add_help, formatter_class=HelpFormatter)
-    parser.add_argument("images", nargs="*", type=_path, metavar="IMAGE",
+    parser.add_argument("images", nargs="*", type=path_flag, metavar="IMAGE",
                         help="image files, or folders searched recursively for image files")
     group = parser.add_argument_group("model")
-    group.add_argument("--weights", type=_path, required=True, metavar="PATH",
+    group.add_argument("--weights", type=path_flag, required=True, metavar="PATH",
                        help="checkpoint.pth / model_best.pth, or bare weights/model-N.pth")
-    group.add_argument("--class-indices", type=_path, metavar="PATH",
+    group.add_argument("--class-indices", type=path_flag, metavar="PATH",
                        help="JSON index -> class name (default: the checkpoint's own list, else "
                             "class_indices.json beside --weights or one folder up)")
     group.add_argument("--model", choices=list(MODELS),
                        help="architecture (default: as recorded in training, "
                             f"else {DEFAULT_MODEL})")
-    group.add_argument("--export", type=_path, metavar="FILE",
+    group.add_argument("--export", type=path_flag, metavar="FILE",
                        help="write the model's weights to FILE (a state dict torchvision loads; "
                             "from any checkpoint, sharded or not) instead of predicting")
     group.add_argument("--img-size", type=positive_int,
@@ -256,7 +236,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group = parser.add_argument_group("inference")
     group.add_argument("--top-k", type=positive_int, default=5, help="classes printed per image")
     group.add_argument("--device", default="auto",
-                       help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+                       help="auto (CUDA if available), cpu, cuda or cuda:N")
     group.add_argument("--batch-size", type=positive_int, default=32,
                        help="images per forward pass")
     return parser

@@ -13,7 +13,6 @@ import argparse
 import logging
 import multiprocessing
 import os
-import signal
 import sys
 from urllib.parse import urlparse
 
@@ -21,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import find_free_port
-from multi_train_utils.guard import EXIT_USER_ERROR, STOP_SIGNALS, ConfigError, guarded
+from multi_train_utils.guard import EXIT_USER_ERROR, ConfigError, guarded, stop_signals_to
 from multi_train_utils.run_folder import rerun_hint
 from train_multi_gpu_using_launch import get_args_parser, main
 
@@ -83,12 +82,10 @@ def launch(args: argparse.Namespace) -> None:
             if process.is_alive():
                 os.kill(process.pid, signum)
 
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored stays ignored (nohup ... &)
-            signal.signal(signum, forward)
     try:
-        while not context.join():
-            pass
+        with stop_signals_to(forward):  # ignored stays ignored (nohup ... &)
+            while not context.join():
+                pass
     except mp.ProcessExitedException as exc:
         if stopped:
             sys.exit(128 + stopped[0])  # the processes said how to continue

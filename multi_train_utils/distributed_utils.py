@@ -50,10 +50,6 @@ class DistInfo:
     def distributed(self) -> bool:  # a launcher's group of one counts: DDP needs the group
         return self.world_size > 1 or is_dist_avail_and_initialized()
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def _env_int(name: str, default: int | None = None) -> int:
     text = os.environ.get(name, None if default is None else str(default))
@@ -90,7 +86,7 @@ def _read_env() -> tuple[int, int, int] | None:
     return env
 
 
-def _pick_device(device: str, local_rank: int, launched: bool) -> torch.device:
+def pick_device(device: str, local_rank: int = 0, launched: bool = False) -> torch.device:
     """``auto``/``cpu``/``cuda``/``cuda:N`` as a device; launched: the GPU of the local rank."""
     if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device, flags=re.ASCII):
         raise LaunchError(f"--device {device!r} is not one of auto, cpu, cuda or cuda:N.")
@@ -146,7 +142,7 @@ def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: s
     env = _read_env()
     rank, local_rank, world_size = env or (0, 0, 1)
     # str().lower(): classic scripts may hold torch.device("cpu") or "CPU" in args.device.
-    dev = _pick_device(str(device).lower(), local_rank, launched=env is not None)
+    dev = pick_device(str(device).lower(), local_rank, launched=env is not None)
     if is_dist_avail_and_initialized():  # a second call: describe the group there is
         info = DistInfo(get_rank(), local_rank, get_world_size(), dev, dist.get_backend())
     elif env is None:

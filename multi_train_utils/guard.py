@@ -121,11 +121,10 @@ def _end_loader_workers() -> None:
 class StopRequest:
     """Within :func:`stop_requests`: the first stop signal a rank gets only sets :attr:`signum`;
     training goes on to an optimizer step at which all ranks agree to stop (:meth:`poll`), saves
-    there and exits. Repeats are that stop (torchrun, srun, a terminal pass copies on, handled
-    seconds apart after a long C call); SIGQUIT (Ctrl-\\) stops at once, without the save. As
-    often only some ranks are signalled (``kill`` of one pid), every rank all-reduces its flag
-    (MAX) after each step, on the CPU (gloo; under NCCL a group of its own, whose answer is read
-    a step later, so the host waits neither for the GPU nor for the network)."""
+    there and exits. Repeats (launchers and terminals pass copies on) are that stop; SIGQUIT
+    (Ctrl-\\) stops at once, unsaved. As a ``kill`` may reach one rank only, every rank
+    all-reduces its flag (MAX) after each step on the CPU (gloo; under NCCL in a group of its
+    own, read a step later: the host waits neither for the GPU nor for the network)."""
 
     def __init__(self) -> None:
         self.signum = 0  # the first stop signal this rank got, or 0
@@ -239,16 +238,13 @@ def guarded(main: Callable[[Any], None], args: Any,
             main(args)
         except UserError as exc:  # every rank raises it: said once per machine
             _stop(EXIT_USER_ERROR, f"error: {exc}", say=local_rank == 0, rank=rank)
-        except KeyboardInterrupt as exc:
-            # Ours, else the signal the ranks agreed to stop on (StopRequest.stop), else Ctrl-C.
-            name = signal.Signals(_received[0]).name if _received else str(exc)
-            name = name if name in signal.Signals.__members__ else "SIGINT"
-            _stop(128 + signal.Signals[name], f"interrupted by {name}; {rerun_hint()}.",
-                  say=rank == 0, rank=rank)
-        except Exception as exc:
-            if _received:  # a peer, or a loader worker, stopped on the same signal first
-                name = signal.Signals(_received[0]).name
-                _stop(128 + _received[0], f"interrupted by {name}; {rerun_hint()}.",
+        except (KeyboardInterrupt, Exception) as exc:
+            # A stop signal: ours, else the one the ranks agreed on (StopRequest.stop), else
+            # Ctrl-C's; an error after a signal is a peer or loader worker stopped on it first.
+            if _received or isinstance(exc, KeyboardInterrupt):
+                name = signal.Signals(_received[0]).name if _received else str(exc)
+                name = name if name in signal.Signals.__members__ else "SIGINT"
+                _stop(128 + signal.Signals[name], f"interrupted by {name}; {rerun_hint()}.",
                       say=rank == 0, rank=rank)
             if not _is_run_failure(exc):
                 raise

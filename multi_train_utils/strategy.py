@@ -1,9 +1,5 @@
-"""Two ways to spread training over N processes: DDP replicates the model, FSDP2 shards it.
-
-``--strategy ddp`` (the default) keeps the whole model, gradients and optimizer state on every
-rank: the fastest whenever they fit one device. ``--strategy fsdp`` (FSDP2, ``fully_shard``) keeps
-1/N of each per rank and all-gathers a block's parameters just before its forward and backward,
-so a model too big for one device trains on several. Both take the same optimizer steps; a
+"""Two ways to spread training over N processes: DDP replicates the model, FSDP2 shards it, for
+a model too big for one device (docs/strategies.md). Both take the same optimizer steps; a
 checkpoint of either resumes under either.
 
     with torch.device("meta" if rank > 0 else "cpu"):             # no memory on ranks > 0

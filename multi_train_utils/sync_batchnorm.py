@@ -46,10 +46,9 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        need_sync = (self.training and dist.is_available() and dist.is_initialized()
-                     and dist.get_world_size() > 1)
-        if not need_sync:
-            return super().forward(input)
+        if not (self.training and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1):
+            return super().forward(input)  # as plain BatchNorm: nothing to synchronise
 
         channels = input.shape[1]
         dims = [d for d in range(input.dim()) if d != 1]

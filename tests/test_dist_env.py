@@ -87,7 +87,7 @@ def test_slurm_env_gives_ranks_and_rendezvous_address(env):
 
 def test_no_launcher_is_one_process_without_a_group(env):
     info = du.init_distributed_mode(device="cpu")
-    assert info == du.DistInfo() and not info.distributed and info.is_main
+    assert info == du.DistInfo() and not info.distributed and info.rank == 0
     assert not dist.is_initialized()
     assert (du.get_rank(), du.get_world_size(), du.is_main_process()) == (0, 1, True)
 
@@ -189,7 +189,7 @@ def test_cuda_n_picks_a_gpu_for_one_process_and_the_local_rank_under_a_launcher(
             "--device cuda:2 has no GPU: only 2 visible (CUDA_VISIBLE_DEVICES=unset)")):
         du.init_distributed_mode(device="cuda:2")
     # Under a launcher each process takes its local rank's GPU, whatever cuda:N says.
-    assert du._pick_device("cuda:0", 1, launched=True) == torch.device("cuda", 1)
+    assert du.pick_device("cuda:0", 1, launched=True) == torch.device("cuda", 1)
 
 
 def test_more_local_ranks_than_gpus_stop_every_rank(env, fake_gpus):
@@ -201,10 +201,10 @@ def test_more_local_ranks_than_gpus_stop_every_rank(env, fake_gpus):
         with pytest.raises(du.LaunchError, match=re.escape(
                 "local rank 1 has no GPU: only 1 visible (CUDA_VISIBLE_DEVICES=0); use one "
                 "process per GPU (SLURM: --gpus-per-task=1).")):
-            du._pick_device("auto", local_rank, launched=True)
+            du.pick_device("auto", local_rank, launched=True)
     assert fake_gpus == []
     env.setenv("LOCAL_WORLD_SIZE", "1")
-    assert du._pick_device("auto", 0, launched=True) == torch.device("cuda", 0)
+    assert du.pick_device("auto", 0, launched=True) == torch.device("cuda", 0)
 
 
 def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(env, fake_gpus):
