@@ -31,7 +31,7 @@ from torchvision.transforms import v2
 
 from multi_train_utils.distributed_utils import is_main_process, run_on_main
 from multi_train_utils.guard import UserError
-from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, EpochProgress
+from multi_train_utils.train_eval_utils import EpochProgress
 from device_decode import BatchAugment
 from my_dataset import MyDataSet, check_image, printable_path
 
@@ -464,33 +464,6 @@ def log_epoch(writer: Any, record: dict[str, Any], classes: Sequence[str],
     if last:
         writer.add_figure("confusion_matrix", confusion_figure(confusion, classes))
     writer.flush()
-
-
-def plot_data_loader_image(data_loader: torch.utils.data.DataLoader,
-                           save_path: str | os.PathLike | None = None) -> Path | None:
-    """Show up to 8 images (uint8 or normalised) of the first batch, named by the current folder's
-    ``class_indices.json``, as the tutorial did; saved to ``save_path`` (default
-    ``data_loader_batch.png``) where there is no screen. Returns that path, or None when shown."""
-    plt = _pyplot()
-    indices = Path("class_indices.json")
-    names = json.loads(indices.read_text("utf-8")) if indices.is_file() else {}
-    images, labels = next(iter(data_loader))
-    count = min(8, len(images))
-    fig, axes = plt.subplots(1, count, figsize=(2 * count, 2.4), squeeze=False)
-    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    for ax, img, label in zip(axes.flat, images, labels.tolist()):
-        img = img / 255 if img.dtype == torch.uint8 else img * std + mean
-        ax.imshow(img.clamp(0, 1).permute(1, 2, 0).numpy())
-        ax.set_title(tick_label(names.get(str(label), "unreadable" if label < 0 else str(label))))
-        ax.axis("off")
-    fig.tight_layout()
-    if save_path is None and os.environ.get("DISPLAY"):
-        plt.show()
-        return None
-    path = Path(save_path or "data_loader_batch.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageFile, ImageOps
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torchvision import transforms as v1
 from torchvision.transforms import v2
 
@@ -27,8 +27,8 @@ from multi_train_utils.train_eval_utils import IGNORE_INDEX
 from my_dataset import (LOADER_TIMEOUT_S, MyDataSet, check_image, load_image_tensor,
                         load_pil_image, loader_kwargs, printable_path)
 from utils import (DataError, FolderScan, confusion_figure, get_transforms, label_by_class_name,
-                   make_demo_data, path_flag, plot_class_distribution, plot_data_loader_image,
-                   read_split_data, scan_image_folder, split_train_val, write_json_atomic)
+                   make_demo_data, path_flag, plot_class_distribution, read_split_data,
+                   scan_image_folder, split_train_val, write_json_atomic)
 
 # Class folder names sort as Python sorts str: "café" < "red rose" < "single" < "日本".
 USED_CLASSES = ["café", "red rose", "single", "日本"]
@@ -575,25 +575,6 @@ def test_plots_stay_readable_for_long_names_and_many_classes(tmp_path):
     fig = confusion_figure(torch.eye(1200, dtype=torch.int64), many)
     assert max(fig.get_size_inches()) <= 12 and not fig.axes[0].texts
     assert not [t.get_text() for t in fig.axes[0].get_xticklabels() if t.get_text().startswith("c")]
-
-
-def test_plot_data_loader_image_shows_uint8_and_normalised_batches_alike(tmp_path, monkeypatch):
-    monkeypatch.delenv("DISPLAY", raising=False)
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "red", "1": "blue"}))
-    images = torch.zeros(4, 3, 16, 16, dtype=torch.uint8)
-    images[0::2, 0], images[1::2, 2] = 230, 200
-    labels = torch.tensor([0, 1, 0, 1])
-    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-    normalised = (images.float() / 255 - mean) / std
-    raw = plot_data_loader_image(DataLoader(TensorDataset(images, labels), batch_size=4),
-                                 save_path=tmp_path / "raw.png")
-    norm = plot_data_loader_image(DataLoader(TensorDataset(normalised, labels), batch_size=4))
-    assert raw == tmp_path / "raw.png" and norm == Path("data_loader_batch.png")
-    a, b = (np.asarray(Image.open(p).convert("RGB"), dtype=np.float64) for p in (raw, norm))
-    assert a.shape == b.shape and np.abs(a - b).mean() < 1.0  # de-normalised for display
-    assert ((a[..., 0] > 180) & (a[..., 2] < 60)).sum() > 100  # red shows
 
 
 def test_write_json_atomic_leaves_no_temporary_file_and_normal_permissions(tmp_path):
