@@ -4,8 +4,7 @@ Both take batches ``(images, labels)``: ``images`` ``uint8 (N, 3, H, W)`` (norma
 the device: 4x fewer bytes to copy) or normalised float; ``labels`` class indices ``(N,)``, -100
 for a sample that could not be read (ignored), or for training class probabilities ``(N, C)``.
 Call both on every rank: they end in collectives. Neither syncs the host each step
-(``loss.item()`` would stall the GPU pipeline): sums stay on the device until reduced.
-"""
+(``loss.item()`` would stall the GPU pipeline): sums stay on the device until reduced."""
 
 from __future__ import annotations
 
@@ -77,9 +76,10 @@ def _autocast(device: torch.device, amp_dtype: torch.dtype | None) -> torch.auto
                           enabled=amp_dtype is not None)
 
 
-def _unpack(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A loader's batch as ``(inputs, labels)``: indices int64 (``CrossEntropyLoss`` refuses the
-    int32 numpy gives), class probabilities ``(N, C)`` float (``F.one_hot`` gives int64)."""
+def _unpack(batch: Any, where: str, device: torch.device, channels_last: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch as ``(inputs, labels)`` on ``device`` (inputs by :func:`prepare_images`): indices
+    int64 (``CrossEntropyLoss`` refuses numpy's int32), probabilities float (one_hot: int64)."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2
             and all(torch.is_tensor(part) for part in batch)):
         got = (f"a dict with keys {', '.join(map(str, batch))}" if isinstance(batch, dict)
@@ -88,7 +88,8 @@ def _unpack(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError(f"{where} takes batches of tensors (inputs, labels), got {got}; return "
                         "(image tensor, class index) from the dataset, or give the DataLoader a "
                         "collate_fn that returns (inputs, labels).")
-    images, labels = batch
+    images = prepare_images(batch[0], device, channels_last=channels_last)
+    labels = batch[1].to(device, non_blocking=True)
     return images, labels.float() if labels.dim() == 2 else labels.long()
 
 
@@ -240,10 +241,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     start, seen = time.perf_counter(), 0
     HEARTBEAT.at("loading data", epoch=epoch, step=first + 1, steps=first + steps)
     for step, batch in enumerate(batches):
-        images, labels = _unpack(batch, "train_one_epoch")
+        images, labels = _unpack(batch, "train_one_epoch", device, channels_last)
         seen += labels.shape[0]
-        images = prepare_images(images, device, channels_last=channels_last)
-        labels = labels.to(device, non_blocking=True)
         HEARTBEAT.at("forward", step=first + step + 1)
         if step == 0 and labels.is_floating_point():
             _check_probabilities(labels)  # once: the check syncs the host
@@ -381,12 +380,10 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     bar = tqdm(data_loader, file=sys.stdout, desc="[valid]", dynamic_ncols=True,
                disable=not (is_main_process() and sys.stdout.isatty()))
     for batch in prefetch_to_device(bar, device):  # as in training: the next one moves meanwhile
-        images, labels = _unpack(batch, "evaluate")
+        images, labels = _unpack(batch, "evaluate", device, channels_last)
         if labels.is_floating_point():
             raise ValueError(f"evaluate needs class indices (N,) as labels, got class "
                              f"probabilities of shape {tuple(labels.shape)}.")
-        images = prepare_images(images, device, channels_last=channels_last)
-        labels = labels.to(device, non_blocking=True)
         valid = labels != IGNORE_INDEX
         if sampler is not None:
             positions = rank + (seen + torch.arange(labels.shape[0], device=device)) * world
@@ -406,20 +403,16 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
         cells = labels.clamp(min=0) * classes + topk[:, 0]
         confusion.index_put_((cells,), valid.long(), accumulate=True)
     top1, top5, loss_sum, count = reduce_value(stats, average=False).tolist()
-    return EvalResult(round(top1), top5_correct=round(top5), num_samples=round(count),
-                      loss_sum=loss_sum, confusion=_reduce_confusion(confusion))
-
-
-def _reduce_confusion(confusion: torch.Tensor) -> torch.Tensor:
-    """Sum of the ranks' flat ``(C * C,)`` counts as a CPU ``(C, C)`` matrix."""
     # A rank that saw no batch does not know the class count: agree on the largest first.
-    size = torch.tensor([confusion.numel()], device=confusion.device)
+    size = torch.tensor([confusion.numel()], device=device)
     if get_world_size() > 1:
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
     if confusion.numel() < size.item():
-        confusion = torch.zeros(int(size.item()), device=confusion.device, dtype=torch.int64)
-    side = math.isqrt(confusion.numel())
-    return reduce_value(confusion, average=False).cpu().view(side, side)
+        confusion = torch.zeros(int(size.item()), device=device, dtype=torch.int64)
+    side = math.isqrt(confusion.numel())  # the ranks' flat (C * C,) counts, summed: (C, C)
+    confusion = reduce_value(confusion, average=False).cpu().view(side, side)
+    return EvalResult(round(top1), top5_correct=round(top5), num_samples=round(count),
+                      loss_sum=loss_sum, confusion=confusion)
 
 
 def format_report(result: EvalResult, classes: list[str]) -> str:
