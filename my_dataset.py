@@ -1,7 +1,6 @@
 """``MyDataSet``: image files and labels in, ``(image, label)`` out; a bad file does not kill the
-run. JPEGs are decoded by TorchCodec or ``torchvision.io`` to ``uint8 (3, H, W)`` (twice PIL's
-speed, see docs), other formats by PIL, for a ``transforms.v2`` pipeline; any other transform
-(the classic ``Compose([..., ToTensor(), Normalize(...)])``) gets an RGB PIL image."""
+run. JPEGs are decoded by TorchCodec or ``torchvision.io`` (twice PIL's speed, see docs), other
+formats by PIL; the classic ``Compose([..., ToTensor(), Normalize(...)])`` gets PIL images."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Data helpers: scan and split an image folder, transforms, plots, demo data.
-
-A dataset is ``root/<class>/**/<image>``, as for ``ImageFolder`` and the tutorial's
-``flower_photos``. What cannot be used (other or hidden files, dangling links; with ``verify``,
-unreadable images) is skipped and listed with a reason; a mistake in the layout is a
+"""Data helpers: scan and split an image folder (``root/<class>/**/<image>``, as for
+``ImageFolder`` and the tutorial's ``flower_photos``), transforms, plots, demo data. Files that
+cannot be used are skipped and listed with a reason; a mistake in the layout is a
 :class:`DataError`, one sentence."""
 
 from __future__ import annotations
@@ -345,17 +343,8 @@ def get_transforms(img_size: int, decode: str = "workers") -> dict[str, Any]:
     return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
 
 
-# ---------------------------------------------------------------- plots
+# ---------------------------------------------------------------- plots (files only: no pyplot)
 CONFUSION_NAMES, CONFUSION_COUNTS = 60, 22  # class names on the axes, counts in the cells
-
-
-def _pyplot() -> Any:
-    """``matplotlib.pyplot`` (an optional extra, imported for a plot); files only, headless."""
-    import matplotlib
-    if not os.environ.get("DISPLAY"):
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def tick_label(name: str, width: int = 24) -> str:
@@ -388,10 +377,11 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
 
 def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     """Bar chart of images per class, saved as PNG; names and counts while they fit."""
-    plt = _pyplot()
+    from matplotlib.figure import Figure  # an optional extra, imported for a plot
     counts = [len(x) for x in scan.images]
     # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
-    fig, ax = plt.subplots(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
+    fig = Figure(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
+    ax = fig.subplots()
     if len(counts) <= CONFUSION_NAMES:
         ax.bar_label(ax.bar(range(len(counts)), counts))
         ax.set_xticks(range(len(counts)), map(tick_label, scan.classes), rotation=45, ha="right")
@@ -403,19 +393,19 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
         warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
         fig.tight_layout()
         fig.savefig(path)
-    plt.close(fig)
     return Path(path)
 
 
 def confusion_figure(confusion: torch.Tensor, classes: Sequence[str]) -> Any:
     """``confusion`` ``(C, C)`` counts (rows: true class) as a matplotlib figure, e.g. for
     TensorBoard's ``add_figure``; names on the axes up to 60 classes, counts up to 22."""
-    plt = _pyplot()
+    from matplotlib.figure import Figure  # an optional extra, imported for a plot
     n, names = len(classes), [tick_label(c) for c in classes]
     # Half an inch per class plus room for the names, at most 12 inches: 1000 classes would
     # otherwise make a 50,000 px figure that takes tens of GB to draw.
     side = min(1 + 0.5 * n + 0.1 * max(map(len, names)) * (n <= CONFUSION_NAMES), 12)
-    fig, ax = plt.subplots(figsize=(side, side))
+    fig = Figure(figsize=(side, side))
+    ax = fig.subplots()
     ax.imshow(confusion.cpu().numpy(), cmap="Blues", interpolation="nearest")
     if n <= CONFUSION_NAMES:
         ax.set_xticks(range(n), names, rotation=90)
