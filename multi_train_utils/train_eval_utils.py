@@ -138,17 +138,15 @@ def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator
                 x.record_stream(compute)  # allocator must not reuse it before compute is done
         return batch, done
 
-    loader = iter(batches)
-    try:
-        ahead = start(next(loader))
-    except StopIteration:
-        return
-    for batch in loader:
-        (ready, done), ahead = ahead, start(batch)
-        compute.wait_event(done)  # queued before the step that uses `ready`: its work alone
-        yield ready
-    compute.wait_event(ahead[1])
-    yield ahead[0]
+    ahead = None  # (batch, event) whose copy or decode is under way
+    for batch in batches:
+        ready, ahead = ahead, start(batch)
+        if ready is not None:
+            compute.wait_event(ready[1])  # queued before the step that uses it: its work alone
+            yield ready[0]
+    if ahead is not None:
+        compute.wait_event(ahead[1])
+        yield ahead[0]
 
 
 @dataclass
