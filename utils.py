@@ -237,8 +237,7 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
 def _read_scan(path: Path) -> FolderScan | None:
     """The scan stored at ``path`` (None if there is none), below the root it listed."""
     try:
-        with open(path, encoding="utf-8") as f:
-            scan = FolderScan(**json.load(f))
+        scan = FolderScan(**json.loads(path.read_text("utf-8")))
     except (OSError, ValueError, TypeError):  # none yet, another version's file
         return None
     folders = [os.path.join(scan.root, name, "") for name in scan.classes]
