@@ -126,7 +126,7 @@ def _machine_error(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [""])[0][:160]
+    return (str(exc).splitlines() or [""])[0][:160].replace("\t", " ")  # tabs split listings
 
 
 class MyDataSet(Dataset):
@@ -226,8 +226,7 @@ def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | N
     """A warning, and ``path<TAB>reason`` appended to ``skip_log`` unless listed there (by
     another rank or worker: the lock makes "already listed?" and the append one step)."""
     name = printable_path(path)
-    detail = _first_line(exc).replace("\t", " ")  # a tab would split the listing's line
-    reason = f"not a readable image at load time ({type(exc).__name__}: {detail})"
+    reason = f"not a readable image at load time ({type(exc).__name__}: {_first_line(exc)})"
     log.warning("skipping %s: %s", name, reason)
     if skip_log is None:
         return
