@@ -433,6 +433,5 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, epochs: int, lrf: float
                     ) -> torch.optim.lr_scheduler.LambdaLR:
     """The lr from its value to ``lr x lrf`` over ``epochs`` on a half cosine (SGDR,
     arXiv:1608.03983), stepped once per epoch."""
-    def cosine(epoch: int) -> float:
-        return (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda epoch: (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf)
