@@ -179,8 +179,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="torch.compile the model (warm-up steps absorb the compile)")
     parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=True,
                         help="SyncBatchNorm when distributed, as the training default")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                        help="DDP gradient bucket size")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
                         help="DDP gradient compression, as the training flag")
     parser.add_argument("--grad-accum-steps", type=int, default=1,
@@ -194,9 +193,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="folder sizes the startup stage times (hard links, made and "
                              "deleted in a temporary folder)")
     parser.add_argument("--start-method", default="spawn", choices=["spawn", "forkserver"],
-                        help="how the scaling and preemption ranks start: spawn (each a clean "
-                             "process) or forkserver (forked from one that imported torch once: "
-                             "quicker start-up, for smoke runs)")
+                        help="how ranks start (forkserver: torch imported once, for smoke runs)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the generated photos and the synthetic batches")
     parser.add_argument("--output-dir", default="benchmark_results", type=path_flag,
