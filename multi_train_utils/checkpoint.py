@@ -299,11 +299,10 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
         loss = [part["loss_sum"], part["count"]] if rank == 0 else [0.0, 0.0]
         progress = EpochProgress(part["batches"], part["samples"], part["batches_in_epoch"],
                                  torch.tensor(loss, dtype=torch.float64))
-        if rank == 0:
-            moved = saved.get("world_size", get_world_size()) != get_world_size()
-            log.info("resuming from epoch %d, step %d of %d%s", start, part["batches"],
-                     part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
-                     f"of its samples go to these {get_world_size()}" if moved else "")
+        moved = saved.get("world_size", get_world_size()) != get_world_size()
+        log.info("resuming from epoch %d, step %d of %d%s", start, part["batches"],  # rank 0 only
+                 part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
+                 f"of its samples go to these {get_world_size()}" if moved else "")
     changed = ckpt.get("changed_flags", [])
     if saved.get("images_per_step", images_per_step) != images_per_step:
         changed.append(f"{images_per_step} images per step (the run had "
