@@ -216,39 +216,20 @@ def changed_flags(saved: dict[str, Any], args: Any) -> tuple[list[str], list[str
     return refused, applied
 
 
-def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer
-                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model's and optimizer's state dicts as whole tensors keyed by parameter name, on the
-    CPU of rank 0 (the others get ``{}``): the same under DDP and FSDP, at any world size. Every
-    rank must call it (FSDP gathers the shards). On a CPU run the tensors are the live ones."""
+def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The model's and optimizer's state dicts (None without ``optimizer``) as whole tensors
+    keyed by parameter name, on the CPU of rank 0 (the others get ``{}``): the same under DDP
+    and FSDP, at any world size. Every rank must call it (FSDP gathers the shards, a tensor at a
+    time). On a CPU run the tensors are the live ones."""
     # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
     model, options = unwrap(model), StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return whole_weights(model), get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model half of :func:`whole_state`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(unwrap(model), options=options)
-
-
-def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                     weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
-    """Inverse of :func:`whole_state`; every rank passes the whole dicts (FSDP keeps its shard).
-    Optimizer state keyed by position (files from before names) loads as it was saved."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    model, options = unwrap(model), StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, weights, options=options)
-    if any(isinstance(key, int) for key in optimizer_state["state"]):
-        optimizer.load_state_dict(optimizer_state)
-    else:
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    optimizer_state = None if optimizer is None else get_optimizer_state_dict(
+        model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), optimizer_state
 
 
 def _prune_shards(out: Path, current: str, keep_last: int) -> None:
@@ -268,7 +249,7 @@ def _prune_shards(out: Path, current: str, keep_last: int) -> None:
 def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
     """The final FSDP save: the last model, gathered a tensor at a time to rank 0's CPU, and the
     best one, read from its shards, as ``weights/model-N.pth`` (torchvision's format)."""
-    last = whole_weights(model)  # {} on the other ranks
+    last = whole_state(model)[0]  # {} on the other ranks
     if is_main_process():
         save_atomic(last, out / "weights" / f"model-{epoch}.pth")
         if not (path := out / "model_best.pth").is_file():  # no validation images, no best
@@ -289,13 +270,21 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     The schedule is laid out anew (more ``--epochs``: the longer cosine) and the optimizer's
     settings (lr, momentum, ...) are this run's, as for a new run with its flags and world size;
     its state (momentum buffers) is the checkpoint's."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_state_dict)
+
     command = [{k: v for k, v in group.items() if k != "params"}
                for group in optimizer.param_groups]
+    options = StateDictOptions(full_state_dict=True)  # every rank has it whole: FSDP keeps a shard
     try:
         if "shards" in ckpt:
             load_shards(ckpt["shards"], model, optimizer)
+        elif any(isinstance(key, int) for key in ckpt["optimizer"]["state"]):  # an older file
+            set_model_state_dict(unwrap(model), ckpt["model"], options=options)
+            optimizer.load_state_dict(ckpt["optimizer"])  # keyed by position, as it was saved
         else:
-            load_whole_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+            set_state_dict(unwrap(model), optimizer, model_state_dict=ckpt["model"],
+                           optim_state_dict=ckpt["optimizer"], options=options)
     except (ValueError, KeyError) as exc:  # other trainable parameters (--freeze-layers)
         raise CheckpointError(f"the optimizer state of the checkpoint does not fit this run "
                               f"({exc}); use the flags it was trained with.") from None
@@ -310,11 +299,10 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
         loss = [part["loss_sum"], part["count"]] if rank == 0 else [0.0, 0.0]
         progress = EpochProgress(part["batches"], part["samples"], part["batches_in_epoch"],
                                  torch.tensor(loss, dtype=torch.float64))
-        if rank == 0:
-            moved = saved.get("world_size", get_world_size()) != get_world_size()
-            log.info("resuming from epoch %d, step %d of %d%s", start, part["batches"],
-                     part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
-                     f"of its samples go to these {get_world_size()}" if moved else "")
+        moved = saved.get("world_size", get_world_size()) != get_world_size()
+        log.info("resuming from epoch %d, step %d of %d%s", start, part["batches"],  # rank 0 only
+                 part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
+                 f"of its samples go to these {get_world_size()}" if moved else "")
     changed = ckpt.get("changed_flags", [])
     if saved.get("images_per_step", images_per_step) != images_per_step:
         changed.append(f"{images_per_step} images per step (the run had "

@@ -82,7 +82,7 @@ class Heartbeat:
             store, timeout = self.store, self.store.timeout
             store.set_timeout(datetime.timedelta(seconds=5))  # the store's host may be frozen
             for rank in (r for r in range(self.world_size) if r != self.rank):
-                peer = json.loads(self.store.get(f"heartbeat/{rank}"))
+                peer = json.loads(store.get(f"heartbeat/{rank}"))
                 quiet = now - peer["beat"]
                 who = f"rank {rank} (host {peer['host']}, pid {peer['pid']})"
                 if quiet > STALE_S:

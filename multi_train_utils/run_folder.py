@@ -89,17 +89,16 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     log.info("the earlier run's files in %s were moved to %s", out, aside)
 
     def where_now(path: str | None) -> str | None:
-        if path is None or not _absolute(path).is_relative_to(_absolute(out)):
+        if path is None:
+            return None
+        # Absolute and normalised, links not followed (they may be moved too).
+        full, root = Path(os.path.abspath(path)), Path(os.path.abspath(out))
+        if not full.is_relative_to(root):
             return path
-        inside = _absolute(path).relative_to(_absolute(out))
+        inside = full.relative_to(root)
         return str(aside / inside) if inside.parts and out / inside.parts[0] in found else path
 
     return where_now(resume_from), where_now(weights)
-
-
-def _absolute(path: str | os.PathLike) -> Path:
-    """``path`` made absolute and normalised, links not followed (they may be moved too)."""
-    return Path(os.path.abspath(path))
 
 
 def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
