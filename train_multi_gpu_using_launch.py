@@ -190,8 +190,8 @@ def main(args: argparse.Namespace) -> None:
             state.update(best_acc=best_acc, best_loss=best_loss)
             last = epoch + 1 == args.epochs  # fsdp: its save also exports the last and best weights
             save(record=record, is_best=is_best, keep_last=args.keep_last, final=last)
-            if writer:  # the confusion matrix once, at the end
-                log_epoch(writer, record, classes, result.confusion, last)
+            if writer:
+                log_epoch(writer, record)
             if not last and stop.poll(lag=False):  # a signal during evaluation or the save
                 stop.stop()
             progress = EpochProgress()

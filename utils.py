@@ -343,9 +343,6 @@ def get_transforms(img_size: int, decode: str = "workers") -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- plots (files only: no pyplot)
-CONFUSION_NAMES, CONFUSION_COUNTS = 60, 22  # class names on the axes, counts in the cells
-
-
 def tick_label(name: str, width: int = 24) -> str:
     """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
     name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
@@ -381,7 +378,7 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
     # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
     fig = Figure(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
     ax = fig.subplots()
-    if len(counts) <= CONFUSION_NAMES:
+    if len(counts) <= 60:  # names on the axis while they fit
         ax.bar_label(ax.bar(range(len(counts)), counts))
         ax.set_xticks(range(len(counts)), map(tick_label, scan.classes), rotation=45, ha="right")
     else:  # one artist: 1000 bars take a second or two to draw, at every fresh start
@@ -393,28 +390,6 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
         fig.tight_layout()
         fig.savefig(path)
     return Path(path)
-
-
-def confusion_figure(confusion: torch.Tensor, classes: Sequence[str]) -> Any:
-    """``confusion`` ``(C, C)`` counts (rows: true class) as a matplotlib figure, e.g. for
-    TensorBoard's ``add_figure``; names on the axes up to 60 classes, counts up to 22."""
-    from matplotlib.figure import Figure  # an optional extra, imported for a plot
-    n, names = len(classes), [tick_label(c) for c in classes]
-    # Half an inch per class plus room for the names, at most 12 inches: 1000 classes would
-    # otherwise make a 50,000 px figure that takes tens of GB to draw.
-    side = min(1 + 0.5 * n + 0.1 * max(map(len, names)) * (n <= CONFUSION_NAMES), 12)
-    fig = Figure(figsize=(side, side))
-    ax = fig.subplots()
-    ax.imshow(confusion.cpu().numpy(), cmap="Blues", interpolation="nearest")
-    if n <= CONFUSION_NAMES:
-        ax.set_xticks(range(n), names, rotation=90)
-        ax.set_yticks(range(n), names)
-    for i, row in enumerate(confusion.tolist() if n <= CONFUSION_COUNTS else []):
-        for j, count in enumerate(row):
-            ax.text(j, i, str(count), ha="center", va="center", fontsize=7)
-    ax.set(xlabel="predicted", ylabel="true")
-    fig.tight_layout()
-    return fig
 
 
 def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.Dataset) -> Any:
@@ -445,13 +420,10 @@ def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds:
     return record
 
 
-def log_epoch(writer: Any, record: dict[str, Any], classes: Sequence[str],
-              confusion: torch.Tensor, last: bool) -> None:
-    """An epoch's ``metrics.jsonl`` record as scalars; at the ``last`` epoch the confusion too."""
+def log_epoch(writer: Any, record: dict[str, Any]) -> None:
+    """An epoch's ``metrics.jsonl`` record as TensorBoard scalars."""
     for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
         writer.add_scalar(tag, record[tag], record["epoch"])
-    if last:
-        writer.add_figure("confusion_matrix", confusion_figure(confusion, classes))
     writer.flush()
 
 

@@ -26,7 +26,7 @@ import utils
 from multi_train_utils.train_eval_utils import IGNORE_INDEX
 from my_dataset import (LOADER_TIMEOUT_S, MyDataSet, check_image, load_image_tensor,
                         load_pil_image, loader_kwargs, printable_path)
-from utils import (DataError, FolderScan, confusion_figure, get_transforms, label_by_class_name,
+from utils import (DataError, FolderScan, get_transforms, label_by_class_name,
                    make_demo_data, path_flag, plot_class_distribution, read_split_data,
                    scan_image_folder, split_train_val, write_json_atomic)
 
@@ -563,18 +563,11 @@ def test_plots_stay_readable_for_long_names_and_many_classes(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Tight layout not applied"; a warning per CJK glyph
         plot_class_distribution(scan, tmp_path / "classes.png")
-    fig = confusion_figure(torch.tensor([[3, 1], [0, 2]]), [long, "daisy"])
-    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [
-        "x" * 11 + "\u2026" + "x" * 5 + "_female", "daisy"]
-    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["0", "1", "2", "3"]
     many = [f"c{i}" for i in range(1200)]
     plot_class_distribution(FolderScan(str(tmp_path), many, [["x"] * (i % 7 + 1) for i in
                                                            range(1200)]), tmp_path / "many.png")
     with Image.open(tmp_path / "many.png") as img:
         assert img.width <= 2400  # 0.6 inch a class would be 72,000 px
-    fig = confusion_figure(torch.eye(1200, dtype=torch.int64), many)
-    assert max(fig.get_size_inches()) <= 12 and not fig.axes[0].texts
-    assert not [t.get_text() for t in fig.axes[0].get_xticklabels() if t.get_text().startswith("c")]
 
 
 def test_write_json_atomic_leaves_no_temporary_file_and_normal_permissions(tmp_path):
