@@ -257,6 +257,8 @@ def guarded(main: Callable[[Any], None], args: Any,
             # exit, DDP's reducer can tear down gloo holding the GIL a gloo thread waits for,
             # and the process never ends (seen with torch 2.8-2.11, gloo).
             exc = sys.exc_info()[1]
+            if exc is not None:  # a loader stuck in a worker would wait 10 s for it, then exit
+                _end_loader_workers()
             while exc is not None:
                 traceback.clear_frames(exc.__traceback__)
                 exc = exc.__context__

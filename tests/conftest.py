@@ -1,11 +1,13 @@
 """Shared fixtures: tiny generated data, and the ways the suite starts training as users do.
 
-- ``run``/``torchrun_cmd``: a launcher as a subprocess (torchrun, the spawn launcher, python).
+- ``run``/``torchrun_cmd``: a command as a subprocess.
 - ``plain``: ``python train_multi_gpu_using_launch.py ARGS`` in a process forked from one that
-  has imported torch already, so each of the many one-process runs does not pay the import again
-  (seconds on 2 cores). The script still runs as ``__main__`` in a fresh process of its own.
-- ``launched``: a launcher in its own session, with every process ever seen below it recorded
-  (from /proc) so a test can check that none is left, and teardown kills any that is.
+  has imported torch already, so each of the many runs does not pay the import again (4 s of
+  CPU on 2 cores). The script still runs as ``__main__`` in a fresh process of its own;
+  ``torchrun(plain, ...)`` and ``launcher(...)`` run a launcher or another script so (the ranks
+  a launcher starts are fresh processes, as always).
+- ``launched``: a launcher in its own process group, with every process ever seen below it
+  recorded (from /proc) so a test can check that none is left, and teardown kills any that is.
 - ``probe``: a wrapper run in place of the script that records, per rank, what DDP wrapped, what
   each DistributedSampler handed out and what each evaluate() returned.
 - ``reference_run``: one uninterrupted 3-epoch torchrun run; resumed runs must end equal to it.
@@ -124,6 +126,19 @@ def assert_user_error(res: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
+def assert_same_run(out, reference_out) -> None:
+    """Each epoch once with the reference's numbers; its final weights and momentum exactly."""
+    ours, ref = read_metrics(out), read_metrics(reference_out)
+    keys = ("epoch", "train_loss", "val_acc", "val_loss", "lr")
+    assert [{k: m[k] for k in keys} for m in ours] == [{k: m[k] for k in keys} for m in ref]
+    final, expected = load_ckpt(out / "checkpoint.pth"), load_ckpt(reference_out / "checkpoint.pth")
+    assert "in_epoch" not in final and final["epoch"] == expected["epoch"]
+    assert_same_tensors(final["model"], expected["model"])
+    momentum = [{k: s["momentum_buffer"] for k, s in c["optimizer"]["state"].items()}
+                for c in (final, expected)]
+    assert_same_tensors(*momentum)
+
+
 def clone_run(src: Path, dst: Path, *, full: bool = False) -> Path:
     """A resumable copy of a run folder: its checkpoint and small files, or everything."""
     if full:
@@ -145,61 +160,111 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference_run(tiny_data, tmp_path_factory) -> SimpleNamespace:
+def reference_run(tiny_data, tmp_path_factory, plain) -> SimpleNamespace:
     """An uninterrupted 3-epoch torchrun run (2 processes, --workers 0): the reference."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS))))
+    res = torchrun(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS)))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return SimpleNamespace(out=out, result=res, epochs=REFERENCE_EPOCHS)
 
 
 # ---------------------------------------------------------------- plain python, forked
-_DRIVER = r'''
-import atexit, importlib, json, os, runpy, sys, traceback
+_DRIVER = r"""
+import atexit, importlib, json, os, runpy, select, sys, traceback
 root, script = sys.argv[1], sys.argv[2]
 sys.path.insert(0, root)
 try:  # what every run imports (torch, torchvision, the repo's modules): once, here
     importlib.import_module(os.path.splitext(script)[0])
 except BaseException:
     pass  # the forked run imports it again and reports what is wrong
-while True:
-    line = sys.stdin.readline()
-    if not line:
-        break
-    case = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
+try:  # and what rank 0 of every fresh run draws, its class histogram: matplotlib and its fonts
+    import io
+    from matplotlib.figure import Figure
+    Figure().subplots().set_title("warm").figure.savefig(io.BytesIO(), format="png")
+except BaseException:
+    pass
+
+
+def run(case):
+    code = 1
+    try:
+        os.setpgid(0, 0)  # a signal a test sends to the run reaches it alone
+        os.chdir(case["cwd"])
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        out = os.open(case["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = out if case["stderr"] == case["stdout"] else os.open(
+            case["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.environ.update(case["env"])
+        sys.argv = [script, *case["argv"]]
+        exec(compile(case["patch"], "<test patch>", "exec"), {"__name__": "test_patch"})
+        runpy.run_path(os.path.join(root, script), run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
         try:
-            os.setpgid(0, 0)  # a signal a test sends to the run reaches it alone
-            os.chdir(case["cwd"])
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            for fd, name in ((1, "stdout"), (2, "stderr")):
-                os.dup2(os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-            os.environ.update(case["env"])
-            sys.argv = [script, *case["argv"]]
-            exec(compile(case["patch"], "<test patch>", "exec"), {"__name__": "test_patch"})
-            runpy.run_path(os.path.join(root, script), run_name="__main__")
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
         finally:
+            os._exit(code)
+
+
+# One case a line; several may run at once. Replies: {"pid"} for each case as it starts (in
+# order), {"pid", "returncode"} as each ends.
+running, eof = set(), False
+while running or not eof:
+    if not eof and select.select([sys.stdin], [], [], 0.05 if running else None)[0]:
+        line = sys.stdin.readline()  # the next case is sent after this one's pid: one line
+        if not line:
+            eof = True
+            continue
+        pid = os.fork()
+        if pid == 0:
+            run(json.loads(line))
+        running.add(pid)
+        print(json.dumps({"pid": pid}), flush=True)
+    elif eof:
+        select.select([], [], [], 0.05)
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if not pid:
+            break
+        running.discard(pid)
+        print(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}),
+              flush=True)
+"""
+
+
+class Forked:
+    """A process :class:`PlainPython` forked, with what ProcessTree uses of ``Popen``."""
+
+    def __init__(self, pid: int, ended: queue.Queue) -> None:
+        self.pid, self._ended, self.returncode = pid, ended, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._ended.empty():
+            self.returncode = self._ended.get()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
             try:
-                atexit._run_exitfuncs()
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-    print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
-'''
+                self.returncode = self._ended.get(timeout=timeout)
+            except queue.Empty:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout) from None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
 
 
 class PlainPython:
@@ -215,41 +280,54 @@ class PlainPython:
         self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER, str(ROOT), LAUNCH],
                                      cwd=ROOT, env=child_env(), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        self.replies: queue.Queue = queue.Queue()
+        self.started: queue.Queue = queue.Queue()
+        self.ended: dict[int, queue.Queue] = {}
+        self.lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.replies.put(json.loads(line))
-        self.replies.put(None)
+            reply = json.loads(line)
+            if "returncode" in reply:
+                self._ended(reply["pid"]).put(reply["returncode"])
+            else:
+                self.started.put(reply["pid"])
+        self.started.put(None)
 
-    def _reply(self, timeout: float) -> dict:
-        try:
-            reply = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            reply = None
-        if reply is None:
-            raise TimeoutError
-        return reply
+    def _ended(self, pid: int) -> queue.Queue:
+        with self.lock:
+            return self.ended.setdefault(pid, queue.Queue())
+
+    def start(self, argv: list[str], *, patch: str = "", cwd: Path | None = None,
+              stdout: Path, stderr: Path, **env: str) -> Forked:
+        """Fork a run (output to files) and return at once."""
+        case = dict(argv=[str(a) for a in argv], patch=patch, env=env, cwd=str(cwd or ROOT),
+                    stdout=str(stdout), stderr=str(stderr))
+        with self.lock:  # one case, then its pid
+            self.proc.stdin.write(json.dumps(case) + "\n")
+            self.proc.stdin.flush()
+            try:
+                pid = self.started.get(timeout=60)
+            except queue.Empty:
+                pid = None
+        if pid is None:
+            raise RuntimeError("the forking driver is gone")
+        return Forked(pid, self._ended(pid))
 
     def __call__(self, argv: list[str], *, patch: str = "", timeout: float = 240,
                  cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
         self.count += 1
         stdout, stderr = (self.workdir / f"run{self.count}.{n}" for n in ("stdout", "stderr"))
-        case = dict(argv=[str(a) for a in argv], patch=patch, env=env, cwd=str(cwd or ROOT),
-                    stdout=str(stdout), stderr=str(stderr))
-        self.proc.stdin.write(json.dumps(case) + "\n")
-        self.proc.stdin.flush()
-        pid = self._reply(60)["pid"]
+        proc = self.start(argv, patch=patch, cwd=cwd, stdout=stdout, stderr=stderr, **env)
         try:
-            code = self._reply(timeout)["returncode"]
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            self._reply(60)
-            pytest.fail(f"python {LAUNCH} {' '.join(case['argv'])} still running after "
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(60)
+            pytest.fail(f"python {LAUNCH} {' '.join(map(str, argv))} still running after "
                         f"{timeout:.0f}s:\n{stderr.read_text(errors='replace')[-3000:]}")
         return subprocess.CompletedProcess(
-            [LAUNCH, *case["argv"]], code, stdout.read_text(errors="replace"),
+            [LAUNCH, *map(str, argv)], code, stdout.read_text(errors="replace"),
             stderr.read_text(errors="replace"))
 
     def close(self) -> None:
@@ -266,6 +344,29 @@ def plain(tmp_path_factory):
     driver = PlainPython(tmp_path_factory.mktemp("plain"))
     yield driver
     driver.close()
+
+
+def launcher(name: str) -> str:
+    """A ``plain`` patch: the forked process runs a launcher (or another script) in place of the
+    training script, as ``python -m torch.distributed.run ARGV`` (``name`` a module) or ``python
+    SPAWN ARGV`` would, and exits with its status. Only the launcher's own import of torch is
+    saved: the ranks it starts are fresh processes, as always."""
+    if name.endswith(".py"):
+        start = (f"sys.argv[0] = {str(ROOT / name)!r}\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+    else:
+        start = f"from {name} import main\nsys.argv[0] = {name!r}\nmain()"
+    return f"import runpy, sys\n{start}\nsys.exit(0)\n"
+
+
+TORCHRUN, LEGACY, SPAWNED = (launcher(name) for name in ("torch.distributed.run",
+                                                         "torch.distributed.launch", SPAWN))
+
+
+def torchrun(plain: PlainPython, nproc: int, *argv: str, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=NPROC ARGV``, by ``plain``
+    (``kwargs``: its timeout and environment)."""
+    return plain(["--standalone", f"--nproc_per_node={nproc}", *argv], patch=TORCHRUN, **kwargs)
 
 
 # ---------------------------------------------------------------- process trees
@@ -296,19 +397,28 @@ def proc_cmdline(pid: int) -> str:
 
 
 class ProcessTree:
-    """A launcher started in its own session, plus every process ever seen below it.
+    """A launcher started in its own session (or process group), plus every process ever seen
+    below it. ``python -m MODULE ARGV`` and ``python SCRIPT.py ARGV`` are forked by ``plain``,
+    when given (the launcher's import of torch is saved); another command is started as is.
 
     Processes are identified by (pid, start time), so a recycled pid is never taken for ours.
     torchrun puts each worker in a session of its own, so killing the launcher's process group is
     not enough: ``kill_all`` kills every process recorded here.
     """
 
-    def __init__(self, cmd: list[str], log_path: Path, **env: str) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # a file, not a pipe: a full pipe would stall the run
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.root = (self.proc.pid, _stat(self.proc.pid)[19])
+    def __init__(self, cmd: list[str], log_path: Path, plain: PlainPython | None = None,
+                 **env: str) -> None:
+        self.log_path, self._log = log_path, None  # a file, not a pipe: a full pipe would stall
+        if plain and cmd[0] == sys.executable and (cmd[1] == "-m" or cmd[1].endswith(".py")):
+            name, argv = (cmd[2], cmd[3:]) if cmd[1] == "-m" else (cmd[1], cmd[2:])
+            log_path.touch()  # to read before the process opens it
+            self.proc = plain.start(argv, patch=launcher(name), stdout=log_path,
+                                    stderr=log_path, **env)
+        else:
+            self._log = open(log_path, "w")
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=self._log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.root = (self.proc.pid, (_stat(self.proc.pid) or [None] * 20)[19])
         self.seen: dict[tuple[int, str], int] = {}  # (pid, start) -> parent pid
 
     def refresh(self) -> list[tuple[int, str]]:
@@ -341,7 +451,8 @@ class ProcessTree:
         return [pid for pid, start in self.seen if self.alive((pid, start))]
 
     def output(self) -> str:
-        self._log.flush()
+        if self._log:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def fail(self, what: str) -> None:
@@ -388,16 +499,17 @@ class ProcessTree:
         try:
             self.proc.wait(timeout=30)
         finally:
-            self._log.close()
+            if self._log:
+                self._log.close()
 
 
 @pytest.fixture
-def launched(tmp_path):
+def launched(tmp_path, plain):
     """``launched(cmd, **env)`` starts a ProcessTree; everything in it is killed at teardown."""
     trees: list[ProcessTree] = []
 
     def start(cmd: list[str], **env: str) -> ProcessTree:
-        tree = ProcessTree(cmd, tmp_path / f"launcher-{len(trees)}.log", **env)
+        tree = ProcessTree(cmd, tmp_path / f"launcher-{len(trees)}.log", plain, **env)
         trees.append(tree)
         return tree
 

@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import LAUNCH, flags, read_metrics
+from conftest import LAUNCH, TORCHRUN, flags, read_metrics
 from PIL import Image
 from test_bad_data import jpeg_without_scan, write_jpeg
-from test_launchers import TORCHRUN
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 

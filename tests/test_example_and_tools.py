@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, assert_same_tensors, child_env, clone_run, flags, load_ckpt,
-                      make_stopper, read_metrics, run, torchrun_cmd)
+                      make_stopper, read_metrics, run, torchrun)
 
 EXAMPLE, LAUNCH_PY = "example_own_project.py", "train_multi_gpu_using_launch.py"
 EXAMPLE_EPOCHS = ["--device", "cpu", "--epochs", "3"]
@@ -34,10 +34,10 @@ def epoch_lines(stdout: str) -> dict[int, float]:
 
 # ---------------------------------------------------------------- own-project example
 @pytest.fixture(scope="module")
-def example_run(tmp_path_factory) -> SimpleNamespace:
+def example_run(tmp_path_factory, plain) -> SimpleNamespace:
     """The example under torchrun, 2 processes, 3 epochs, never stopped."""
     out = tmp_path_factory.mktemp("example") / "run"
-    res = run(torchrun_cmd(2, EXAMPLE, *EXAMPLE_EPOCHS, "--output-dir", str(out)), timeout=240)
+    res = torchrun(plain, 2, EXAMPLE, *EXAMPLE_EPOCHS, "--output-dir", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     return SimpleNamespace(out=out, stdout=res.stdout)
 
@@ -62,21 +62,21 @@ def test_example_run_again_continues_without_repeating_an_epoch(example_run, tmp
 
 
 def test_example_stops_on_sigterm_saves_and_the_rerun_ends_as_if_never_stopped(example_run,
-                                                                                tmp_path):
+                                                                                tmp_path, plain):
     """SIGTERM to torchrun in epoch 1 (it passes it on to both ranks): the ranks save the step
     they agree on and exit; the same command continues there and ends with the weights and
     momentum of the run that was never stopped, bit for bit."""
     out = tmp_path / "run"
     argv = [EXAMPLE, *EXAMPLE_EPOCHS, "--output-dir", str(out)]
-    res = run(torchrun_cmd(2, make_stopper(tmp_path), *argv), timeout=240,
-              STOP_TARGET="parent", STOP_AFTER=str(STEPS_PER_EPOCH + 8))
+    res = torchrun(plain, 2, make_stopper(tmp_path), *argv, STOP_TARGET="parent",
+                   STOP_AFTER=str(STEPS_PER_EPOCH + 8))
     assert res.returncode != 0 and "interrupted by SIGTERM" in res.stderr, res.stderr[-3000:]
     assert list(epoch_lines(res.stdout)) == [0]
     ckpt = load_ckpt(out / "checkpoint.pth")
     step = ckpt["in_epoch"]["batches"]
     assert ckpt["epoch"] == 1 and 8 <= step < STEPS_PER_EPOCH, ckpt["in_epoch"]
     assert re.search(rf"stopping after step {step} of {STEPS_PER_EPOCH}", res.stderr)
-    res = run(torchrun_cmd(2, *argv), timeout=240)
+    res = torchrun(plain, 2, *argv)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"continuing at epoch 1, step {step}" in res.stdout
     assert list(epoch_lines(res.stdout)) == [1, 2]

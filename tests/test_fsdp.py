@@ -12,7 +12,7 @@
   periodic save and ends where DDP's reference run ends; a DDP checkpoint continues under FSDP
   and an FSDP one under DDP, and at another world size; the last and best weights, and any
   checkpoint through ``predict.py --export``, load into torchvision strictly;
-- Ctrl-C stops an FSDP run as it stops a DDP one; flags FSDP cannot honour are one line.
+- flags FSDP cannot honour are one line (Ctrl-C to an FSDP run: test_resume_and_shutdown.py).
 
 The table of docs/strategies.md: ``python -m benchmarks --stages fsdp --device cpu``.
 """
@@ -24,8 +24,6 @@ import ctypes
 import gc
 import os
 import re
-import signal
-import sys
 import threading
 
 import pytest
@@ -34,8 +32,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import (LAUNCH, SPAWN, ProcessTree, assert_same_tensors, assert_user_error,
-                      clone_run, epochs_done, flags, load_ckpt, make_stopper, read_metrics, run,
+from conftest import (LAUNCH, ProcessTree, assert_same_tensors, assert_user_error,
+                      clone_run, flags, launcher, load_ckpt, make_stopper, read_metrics, torchrun,
                       torchrun_cmd)
 from benchmarks.fsdp import local_bytes
 from dist_helpers import run_ranks
@@ -358,7 +356,7 @@ def test_fsdp_shards_on_a_mesh_of_the_models_device(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def restarted_fsdp_run(tiny_data, tmp_path_factory):
+def restarted_fsdp_run(tiny_data, tmp_path_factory, plain):
     """torchrun --max-restarts=1 --strategy fsdp --save-every-steps 2, rank 1 killed (-9) after
     epoch 1's third step: the group restarts and continues from step 2 of epoch 1."""
     tmp = tmp_path_factory.mktemp("fsdp")
@@ -366,7 +364,7 @@ def restarted_fsdp_run(tiny_data, tmp_path_factory):
     cmd = torchrun_cmd(2, "--max-restarts=1", make_stopper(tmp), LAUNCH,
                        *flags(tiny_data, out, "--epochs", "3", "--strategy", "fsdp",
                               "--save-every-steps", "2"))
-    tree = ProcessTree(cmd, tmp / "launcher.log", STOP_TARGET="kill", STOP_RANK="1",
+    tree = ProcessTree(cmd, tmp / "launcher.log", plain, STOP_TARGET="kill", STOP_RANK="1",
                        STOP_AFTER="8")
     try:
         code = tree.wait_exit(240)
@@ -415,20 +413,23 @@ def test_a_restarted_fsdp_run_ends_where_the_ddp_run_ends(restarted_fsdp_run, re
                         model_of(out / "model_best.pth"))
 
 
+PREDICT = launcher("predict.py")  # python predict.py ARGV, by ``plain``
+
+
 def test_any_fsdp_checkpoint_exports_predicts_and_evaluates(restarted_fsdp_run, tiny_data,
                                                             tmp_path, plain):
     """The sharded checkpoints of a run, through the three tools that take a checkpoint."""
     out, exported = restarted_fsdp_run, tmp_path / "model.pth"
-    res = run([sys.executable, "predict.py", "--weights", str(out / "checkpoint.pth"),
-               "--export", str(exported)])
+    res = plain(["--weights", str(out / "checkpoint.pth"), "--export", str(exported)],
+                patch=PREDICT)
     assert res.returncode == 0, res.stderr[-3000:]
     weights = load_ckpt(exported)
     assert_same_tensors(weights, model_of(out / "checkpoint.pth"))
     torchvision = pytest.importorskip("torchvision")
     torchvision.models.resnet18(num_classes=5).load_state_dict(weights)  # strict
     image = next((tiny_data / "roses").iterdir())
-    res = run([sys.executable, "predict.py", "--weights", str(out / "model_best.pth"),
-               "--top-k", "1", str(image)])
+    res = plain(["--weights", str(out / "model_best.pth"), "--top-k", "1", str(image)],
+                patch=PREDICT)
     assert res.returncode == 0 and res.stdout.startswith(str(image)), res.stderr[-3000:]
     res = plain(flags(tiny_data, tmp_path / "eval", "--eval-only", "--resume",
                       str(out / "model_best.pth")))
@@ -442,8 +443,8 @@ def test_ddp_and_fsdp_checkpoints_continue_under_the_other_strategy(
     runs = {}
     for strategy, source in (("fsdp", reference_run.out), ("ddp", restarted_fsdp_run)):
         out = runs[strategy] = clone_run(source, tmp_path / strategy)
-        res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "4",
-                                                 "--strategy", strategy)))
+        res = torchrun(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "4",
+                                                "--strategy", strategy))
         assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert_close_runs(runs["fsdp"], runs["ddp"], range(4))
 
@@ -455,22 +456,6 @@ def test_ddp_and_fsdp_checkpoints_continue_under_the_other_strategy(
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1, 2, 3]
 
 
-def test_sigint_stops_an_fsdp_run_of_the_spawn_launcher(tiny_data, tmp_path, launched):
-    out = tmp_path / "run"
-    cmd = [sys.executable, SPAWN, "--world-size", "2",
-           *flags(tiny_data, out, "--epochs", "50", "--strategy", "fsdp")]
-    tree = launched(cmd)
-    tree.wait_for(epochs_done(out, 1), "epoch 0")
-    tree.proc.send_signal(signal.SIGINT)
-    seconds = tree.wait_all_gone(timeout=60)
-    output = tree.output()
-    assert seconds < 30, f"shutdown took {seconds:.0f}s"
-    assert tree.proc.returncode == 130, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    ckpt = load_ckpt(out / "checkpoint.pth")  # complete, as every save is
-    done = read_metrics(out)[-1]["epoch"]  # stopped in the next epoch's steps, or after a save
-    assert (ckpt["epoch"], "in_epoch" in ckpt) in ((done, False), (done + 1, True))
-    assert os.path.isfile(out / ckpt["shards"] / ".metadata")
 @pytest.mark.parametrize("extra, needle", [(["--compile"], "--compile is not supported with "
                                             "--strategy fsdp"),
                                            (["--comm-hook", "bf16"], "use --amp")])

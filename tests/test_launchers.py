@@ -17,8 +17,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (LAUNCH, ROOT, SPAWN, assert_user_error, error_lines, flags, free_port,
-                      load_ckpt, make_probe, read_metrics)
+from conftest import (LAUNCH, LEGACY, ROOT, SPAWN, SPAWNED, TORCHRUN, assert_user_error,
+                      error_lines, flags, free_port, load_ckpt, make_probe, read_metrics)
 from my_dataset import default_workers
 from utils import make_demo_data
 
@@ -27,23 +27,6 @@ CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 
 def cosine(epoch: int, epochs: int, lrf: float = 0.1) -> float:
     return (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf
-
-
-def launcher(name: str) -> str:
-    """A ``plain`` patch: the forked process runs a launcher in place of the training script, as
-    ``python -m torch.distributed.run ARGV`` (``name`` a module) or ``python SPAWN ARGV`` would,
-    and exits with its status. Only the launcher's own import of torch is saved: the ranks it
-    starts are fresh processes, as always."""
-    if name == SPAWN:
-        start = (f"sys.argv[0] = {str(ROOT / SPAWN)!r}\n"
-                 "runpy.run_path(sys.argv[0], run_name='__main__')")
-    else:
-        start = f"from {name} import main\nsys.argv[0] = {name!r}\nmain()"
-    return f"import runpy, sys\n{start}\nsys.exit(0)\n"
-
-
-TORCHRUN, LEGACY, SPAWNED = (launcher(name) for name in ("torch.distributed.run",
-                                                         "torch.distributed.launch", SPAWN))
 
 
 def check_run_folder(out: Path, epochs: int, world_size: int) -> None:

@@ -22,26 +22,13 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from conftest import (LAUNCH, REFERENCE_EPOCHS, STOPPER, assert_same_tensors, clone_run, flags,
-                      load_ckpt, make_stopper, read_metrics, run, torchrun_cmd)
+from conftest import (LAUNCH, REFERENCE_EPOCHS, STOPPER, assert_same_run, clone_run, flags,
+                      load_ckpt, make_stopper, read_metrics, torchrun, torchrun_cmd)
 from dist_helpers import run_ranks
 from multi_train_utils.guard import stop_requests
 from multi_train_utils.train_eval_utils import ResumableSampler
 
 STEPS_PER_EPOCH = 5  # tiny_data on 2 ranks: 40 training images in batches of 4 per rank
-
-
-def assert_same_run(out, reference_out) -> None:
-    """Each epoch once with the reference's numbers; its final weights and momentum exactly."""
-    ours, ref = read_metrics(out), read_metrics(reference_out)
-    keys = ("epoch", "train_loss", "val_acc", "val_loss", "lr")
-    assert [{k: m[k] for k in keys} for m in ours] == [{k: m[k] for k in keys} for m in ref]
-    final, expected = load_ckpt(out / "checkpoint.pth"), load_ckpt(reference_out / "checkpoint.pth")
-    assert "in_epoch" not in final and final["epoch"] == expected["epoch"]
-    assert_same_tensors(final["model"], expected["model"])
-    momentum = [{k: s["momentum_buffer"] for k, s in c["optimizer"]["state"].items()}
-                for c in (final, expected)]
-    assert_same_tensors(*momentum)
 
 
 # ---------------------------------------------------------------- the sampler
@@ -154,12 +141,12 @@ def test_copies_of_a_stop_are_one_stop_and_sigquit_stops_at_once():
 
 # ---------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
-def stopped_by_rank1(tiny_data, tmp_path_factory):
+def stopped_by_rank1(tiny_data, tmp_path_factory, plain):
     """torchrun, 2 ranks, 3 epochs: rank 1 alone gets SIGTERM after epoch 1's third step."""
     tmp = tmp_path_factory.mktemp("stopped")
     argv = flags(tiny_data, tmp / "run", "--epochs", str(REFERENCE_EPOCHS))
-    res = run(torchrun_cmd(2, make_stopper(tmp), LAUNCH, *argv), STOP_RANK="1",
-              STOP_AFTER=str(STEPS_PER_EPOCH + 3))
+    res = torchrun(plain, 2, make_stopper(tmp), LAUNCH, *argv, STOP_RANK="1",
+                   STOP_AFTER=str(STEPS_PER_EPOCH + 3))
     return SimpleNamespace(out=tmp / "run", argv=argv, result=res)
 
 
@@ -185,9 +172,9 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_saves_it(sto
 
 
 def test_the_same_command_continues_at_that_batch_to_the_uninterrupted_weights(
-        stopped_by_rank1, reference_run, tmp_path):
+        stopped_by_rank1, reference_run, tmp_path, plain):
     out = clone_run(stopped_by_rank1.out, tmp_path / "run", full=True)
-    res = run(torchrun_cmd(2, LAUNCH, *flags_for(stopped_by_rank1.argv, out)))
+    res = torchrun(plain, 2, LAUNCH, *flags_for(stopped_by_rank1.argv, out))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert f"resuming from epoch 1, step 3 of {STEPS_PER_EPOCH}\n" in res.stderr
     assert "listed it: not listed again" in res.stderr  # the stored file list, not a new scan
@@ -233,28 +220,41 @@ def flags_for(argv: list[str], out) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def accumulation_reference(tiny_data, tmp_path_factory):
+def accumulation_reference(tiny_data, tmp_path_factory, plain):
     out = tmp_path_factory.mktemp("accum") / "reference"
-    res = run(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "2",
-                                             "--grad-accum-steps", "2")))
+    res = torchrun(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "2",
+                                            "--grad-accum-steps", "2"))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return out
 
 
-def test_sigterm_to_torchrun_with_accumulation_stops_between_groups_and_continues_exactly(
-        accumulation_reference, tiny_data, tmp_path):
+def test_sigterm_to_torchrun_stops_every_process_between_groups_and_continues_exactly(
+        accumulation_reference, tiny_data, tmp_path, launched, plain):
     """torchrun passes the signal on to every rank; the stop waits for the group's last
-    micro-batch (5 batches, groups 2 + 2 + 1: optimizer steps after batch 2 and 4)."""
+    micro-batch (5 batches, groups 2 + 2 + 1: optimizer steps after batch 2 and 4). The loader
+    workers ignore it and deliver those batches; then every process is gone, quietly. The same
+    command ends where the run never stopped (--workers 0) ended, --keep-last 1 kept the last."""
     out = tmp_path / "run"
-    argv = flags(tiny_data, out, "--epochs", "2", "--grad-accum-steps", "2")
-    res = run(torchrun_cmd(2, make_stopper(tmp_path), LAUNCH, *argv), STOP_TARGET="parent",
-              STOP_AFTER="4")  # epoch 1's first optimizer step
-    assert res.returncode != 0 and "interrupted by SIGTERM" in res.stderr, res.stderr[-3000:]
-    part = load_ckpt(out / "checkpoint.pth")["in_epoch"]
-    assert part["batches"] in (2, 4) and part["batches_in_epoch"] == 5
-    res = run(torchrun_cmd(2, LAUNCH, *argv))
+    argv = flags(tiny_data, out, "--epochs", "2", "--grad-accum-steps", "2", "--keep-last", "1",
+                 workers=2)
+    tree = launched(torchrun_cmd(2, make_stopper(tmp_path), LAUNCH, *argv),
+                    STOP_TARGET="parent", STOP_AFTER="4")  # epoch 1's first optimizer step
+    tree.wait_for(lambda: len(tree.refresh()) >= 6, "2 ranks and their loader workers")
+    snapshot = [p for p in tree.refresh() if tree.alive(p)]
+    tree.wait_all_gone(timeout=120)
+    output = tree.output()
+    assert len(snapshot) >= 6 and tree.proc.returncode != 0, snapshot
+    assert "interrupted by SIGTERM" in output, output[-3000:]
+    for noise in ("Exception ignored", "DataLoader worker", f'{LAUNCH}", line'):
+        assert noise not in output, output[-3000:]
+    ckpt = load_ckpt(out / "checkpoint.pth")
+    assert ckpt["epoch"] == 1 and ckpt["in_epoch"]["batches"] in (2, 4), ckpt["in_epoch"]
+    assert ckpt["in_epoch"]["batches_in_epoch"] == 5 and len(read_metrics(out)) == 1
+    res = torchrun(plain, 2, LAUNCH, *argv)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert "resuming from epoch 1, step " in res.stderr
     assert_same_run(out, accumulation_reference)
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-1.pth"]
 
 
 LONG_STEPS = r"""

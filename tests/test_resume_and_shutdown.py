@@ -1,10 +1,10 @@
-"""Never lose a run: full checkpoints, exact resume, elastic restarts and clean shutdown.
+"""Never lose a run: full checkpoints, what a rerun does, failed saves, and clean shutdown.
 
 The launchers run as a user starts them (torchrun, the spawn launcher, or ranks started by hand
-as on two machines; 2 CPU processes on gloo). Killed runs are started in their own session and
-every process ever seen below them is killed in teardown, so a failing test leaves nothing
-behind. ``reference_run`` (conftest) is one uninterrupted 3-epoch torchrun run; interrupted and
-resumed runs must end equal to it, tensor for tensor.
+as on two machines; 2 CPU processes on gloo). Killed runs are started in their own process
+group and every process ever seen below them is killed in teardown, so a failing test leaves
+nothing behind. ``reference_run`` (conftest) is one uninterrupted 3-epoch torchrun run. Stops
+that continue exactly: test_preemption.py; restarts of a group: test_heartbeat.py, test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -27,27 +27,13 @@ import pytest
 
 from conftest import (LAUNCH, SPAWN, ProcessTree, assert_same_tensors, assert_user_error,
                       clone_run, epochs_done, error_lines, flags, free_port, load_ckpt,
-                      make_stopper, proc_cmdline, read_metrics, run, torchrun_cmd)
+                      proc_cmdline, read_metrics, torchrun_cmd)
 
-COMPARED = ("epoch", "train_loss", "val_acc", "val_loss", "lr")
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 
 
 def cosine(epoch: int, epochs: int, lrf: float = 0.1) -> float:
     return (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf
-
-
-def assert_matches_reference(out: Path, reference) -> None:
-    """Every epoch once, with the reference's numbers, and the reference's final weights."""
-    ours, ref = read_metrics(out), read_metrics(reference.out)
-    assert [m["epoch"] for m in ours] == list(range(reference.epochs))
-    assert [{k: m[k] for k in COMPARED} for m in ours] == [{k: m[k] for k in COMPARED}
-                                                           for m in ref]
-    final, expected = load_ckpt(out / "checkpoint.pth"), load_ckpt(reference.out / "checkpoint.pth")
-    assert final["epoch"] == reference.epochs - 1
-    assert_same_tensors(final["model"], expected["model"])
-    assert_same_tensors(*[{k: s["momentum_buffer"] for k, s in c["optimizer"]["state"].items()}
-                          for c in (final, expected)])
 
 
 def stopped_by(code: int, signum: signal.Signals) -> bool:
@@ -77,51 +63,6 @@ def test_checkpoint_holds_everything_needed_to_resume(reference_run):
     top = max(m["val_acc"] for m in ckpt["metrics"])
     tied = [m for m in ckpt["metrics"] if m["val_acc"] == top]
     assert best["epoch"] == min(tied, key=lambda m: m["val_loss"])["epoch"]
-
-
-# ---------------------------------------------------------------- SIGTERM, then resume
-@pytest.fixture(scope="module")
-def sigterm_run(tiny_data, tmp_path_factory):
-    """torchrun (2 processes, each with 2 loader workers, --keep-last 1) sent SIGTERM after
-    epoch 1's second step (torchrun passes it on to every rank); what the shutdown left."""
-    tmp = tmp_path_factory.mktemp("sigterm")
-    out = tmp / "run"
-    argv = flags(tiny_data, out, "--epochs", "3", "--keep-last", "1", workers=2)
-    tree = ProcessTree(torchrun_cmd(2, make_stopper(tmp), LAUNCH, *argv), tmp / "leg1.log",
-                       STOP_TARGET="parent", STOP_AFTER="7")
-    try:
-        tree.wait_for(lambda: len(tree.refresh()) >= 6, "2 ranks and their loader workers")
-        snapshot = [p for p in tree.refresh() if tree.alive(p)]
-        seconds = tree.wait_all_gone(timeout=120)
-        yield dict(out=out, cmd=torchrun_cmd(2, LAUNCH, *argv), seconds=seconds,
-                   snapshot=snapshot, returncode=tree.proc.returncode, output=tree.output())
-    finally:
-        tree.kill_all()
-
-
-def test_sigterm_to_torchrun_stops_every_process_cleanly(sigterm_run):
-    r = sigterm_run
-    # torchrun, 2 ranks and their loader workers were running; all are gone.
-    assert len(r["snapshot"]) >= 6, r["snapshot"]
-    assert r["returncode"] != 0
-    assert "interrupted by SIGTERM" in r["output"], r["output"][-3000:]
-    # The loader workers ignore the signal and deliver the last step's batches; nothing breaks.
-    for noise in ("Exception ignored", "DataLoader worker", f'{LAUNCH}", line'):
-        assert noise not in r["output"], r["output"][-3000:]
-    ckpt = load_ckpt(r["out"] / "checkpoint.pth")  # where the ranks stopped, mid-epoch
-    assert ckpt["epoch"] == 1 and 2 <= ckpt["in_epoch"]["batches"] < 5, ckpt.get("in_epoch")
-    assert [m["epoch"] for m in read_metrics(r["out"])] == [0]
-
-
-def test_resume_after_sigterm_equals_an_uninterrupted_run(sigterm_run, reference_run):
-    """The same command again: it continues at the batch it stopped at and ends where the
-    reference (--workers 0) ended, and --keep-last 1 left only the newest weights."""
-    out = sigterm_run["out"]
-    res = run(sigterm_run["cmd"])
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    assert "resuming from epoch 1, step " in res.stderr
-    assert_matches_reference(out, reference_run)
-    assert sorted(p.name for p in (out / "weights").iterdir()) == ["model-2.pth"]
 
 
 # ---------------------------------------------------------------- what a rerun does
@@ -409,25 +350,12 @@ def _spawned(tree: ProcessTree) -> list[int]:
     return [pid for pid in tree.children() if "spawn_main" in proc_cmdline(pid)]
 
 
-def test_torchrun_restarts_a_killed_worker_from_its_last_periodic_save(reference_run, tiny_data,
-                                                                      tmp_path, launched):
-    """kill -9 of rank 1 after epoch 1's third step, --save-every-steps 2: torchrun
-    --max-restarts=1 restarts the group, which continues from step 2 of epoch 1 (not from the
-    epoch's start) and ends exactly where the uninterrupted run ended."""
-    out = tmp_path / "run"
-    argv = flags(tiny_data, out, "--epochs", "3", "--save-every-steps", "2")
-    tree = launched(torchrun_cmd(2, "--max-restarts=1", make_stopper(tmp_path), LAUNCH, *argv),
-                    STOP_TARGET="kill", STOP_RANK="1", STOP_AFTER="8")
-    assert tree.wait_exit(240) == 0, tree.output()[-4000:]
-    assert not tree.alive_seen()
-    assert "resuming from epoch 1, step 2 of 5\n" in tree.output(), tree.output()[-4000:]
-    assert_matches_reference(out, reference_run)
-
-
 def test_sigint_to_the_spawn_launcher_stops_every_process(tiny_data, tmp_path, launched):
+    """Ctrl-C in the terminal of an fsdp run with loader workers (the sharded save the longest
+    to finish): every process gone, and the checkpoint it leaves is complete."""
     out = tmp_path / "run"
     tree = launched([sys.executable, SPAWN, "--world-size", "2",
-                     *flags(tiny_data, out, "--epochs", "50", workers=1)])
+                     *flags(tiny_data, out, "--epochs", "50", "--strategy", "fsdp", workers=1)])
     tree.wait_for(epochs_done(out, 1), "epoch 0")
     snapshot = [p for p in tree.refresh() if tree.alive(p)]
     tree.proc.send_signal(signal.SIGINT)
@@ -438,12 +366,16 @@ def test_sigint_to_the_spawn_launcher_stops_every_process(tiny_data, tmp_path, l
     assert tree.proc.returncode == 130, output[-3000:]
     assert re.search(r"interrupted by SIG(INT|TERM)", output), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    assert load_ckpt(out / "checkpoint.pth")["epoch"] >= 0
+    ckpt = load_ckpt(out / "checkpoint.pth")
+    done = read_metrics(out)[-1]["epoch"]  # stopped in the next epoch's steps, or after a save
+    assert (ckpt["epoch"], "in_epoch" in ckpt) in ((done, False), (done + 1, True))
+    assert os.path.isfile(out / ckpt["shards"] / ".metadata")
 
 
 def test_a_launcher_started_with_sigint_ignored_keeps_it_ignored(tiny_data, tmp_path, launched):
     """As a script's ``nohup ... &`` starts it: SIGINT and SIGQUIT arrive ignored and stay so in
-    the launcher and its ranks (as CPython does); SIGTERM still stops the run cleanly."""
+    the launcher and its ranks (as CPython does). Then kill -9 of the spawn launcher: its ranks
+    do not train on as orphans (torchrun's: test_ranks_stop_when_torchrun_is_killed)."""
     out = tmp_path / "run"
     tree = launched(["sh", "-c", 'trap "" INT QUIT; exec "$@"', "sh", sys.executable, SPAWN,
                      "--world-size", "2", *flags(tiny_data, out, "--epochs", "50")])
@@ -451,11 +383,10 @@ def test_a_launcher_started_with_sigint_ignored_keeps_it_ignored(tiny_data, tmp_
     for signum in (signal.SIGINT, signal.SIGQUIT):
         os.killpg(tree.proc.pid, signum)  # as a terminal would: the launcher and its ranks
     tree.wait_for(epochs_done(out, 1), "epoch 0's end")  # trains on
-    tree.proc.send_signal(signal.SIGTERM)
-    tree.wait_all_gone(timeout=60)
-    output = tree.output()
-    assert tree.proc.returncode == 143, output[-3000:]
-    assert "interrupted by SIGTERM" in output and "SIGINT" not in output, output[-3000:]
+    assert "SIGINT" not in tree.output() and "SIGQUIT" not in tree.output(), tree.output()[-3000:]
+    assert len(tree.refresh()) >= 2
+    os.kill(tree.proc.pid, signal.SIGKILL)  # no chance to stop its ranks itself
+    tree.wait_all_gone(30)  # fails naming the survivors
 
 
 def test_the_spawn_launcher_stops_all_when_a_child_dies_and_names_it(tiny_data, tmp_path,
@@ -464,7 +395,7 @@ def test_the_spawn_launcher_stops_all_when_a_child_dies_and_names_it(tiny_data, 
     tree = launched([sys.executable, SPAWN, "--world-size", "2",
                      *flags(tiny_data, out, "--epochs", "50")])
     tree.wait_for(lambda: epochs_done(out, 1)() and len(_spawned(tree)) == 2, "epoch 0")
-    os.kill(_spawned(tree)[1], signal.SIGKILL)  # rank 1
+    os.kill(_spawned(tree)[1], signal.SIGKILL)  # rank 1 (a checkpoint to name)
     seconds = tree.wait_all_gone(timeout=60)
     output = tree.output()
     assert seconds < 30, f"took {seconds:.0f}s"
@@ -475,14 +406,10 @@ def test_the_spawn_launcher_stops_all_when_a_child_dies_and_names_it(tiny_data, 
     assert "run the same command again" in named[0].lower() and str(out) in named[0], named[0]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_ranks_stop_when_their_launcher_is_killed(launcher, tiny_data, tmp_path, launched):
-    """kill -9 of the launcher: its ranks must not train on as orphans."""
-    out = tmp_path / "run"
-    argv = flags(tiny_data, out, "--epochs", "50")
-    tree = launched(torchrun_cmd(2, LAUNCH, *argv) if launcher == "torchrun" else
-                    [sys.executable, SPAWN, "--world-size", "2", *argv])
-    tree.wait_for(epochs_done(out, 1), "epoch 0")
+def test_ranks_stop_when_torchrun_is_killed(tiny_data, tmp_path, launched):
+    """kill -9 of torchrun: its ranks must not train on as orphans."""
+    tree = launched(torchrun_cmd(2, LAUNCH, *flags(tiny_data, tmp_path / "run", "--epochs", "50")))
+    tree.wait_for(lambda: "step 2/5" in tree.output(), "step 2")
     assert len(tree.refresh()) >= 2
     os.kill(tree.proc.pid, signal.SIGKILL)  # no chance to stop its ranks itself
     tree.wait_all_gone(30)  # fails naming the survivors
@@ -495,26 +422,9 @@ def _by_hand(launched, out: Path, tiny_data: Path, *extra: str) -> list[ProcessT
     return [launched(cmd, RANK=str(r), LOCAL_RANK=str(r), **env) for r in (0, 1)]
 
 
-def test_dist_timeout_turns_a_stuck_peer_into_one_error_line(tiny_data, tmp_path, launched):
-    out = tmp_path / "run"
-    # 10 s: the ranks must also meet within it at start-up, on a loaded 2-core machine.
-    rank0, rank1 = _by_hand(launched, out, tiny_data, "--epochs", "50", "--dist-timeout", "10")
-    rank0.wait_for(epochs_done(out, 1), "epoch 0")
-    rank1.proc.send_signal(signal.SIGSTOP)  # a hung machine: connected, never answering
-    started = time.monotonic()
-    code = rank0.wait_exit(90)
-    output = rank0.output()
-    assert time.monotonic() - started < 60
-    assert code == 1, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    (line,) = error_lines(output)
-    assert "run the same command again" in line, line
-    assert load_ckpt(out / "checkpoint.pth")["epoch"] == read_metrics(out)[-1]["epoch"]
-
-
 def test_a_lost_peer_is_one_line_and_the_rerun_continues(tiny_data, tmp_path, launched):
     out = tmp_path / "run"
-    rank0, rank1 = _by_hand(launched, out, tiny_data, "--epochs", "3")
+    rank0, rank1 = _by_hand(launched, out, tiny_data, "--epochs", "2")
     rank0.wait_for(epochs_done(out, 1), "epoch 0")
     rank1.proc.send_signal(signal.SIGKILL)
     code = rank0.wait_exit(90)
@@ -525,10 +435,10 @@ def test_a_lost_peer_is_one_line_and_the_rerun_continues(tiny_data, tmp_path, la
     assert f"run the same command again: it continues from the last complete checkpoint in " \
            f"{out}" in line, line
     done = read_metrics(out)
-    assert done and done[-1]["epoch"] < 2
-    again = _by_hand(launched, out, tiny_data, "--epochs", "3")
+    assert done and done[-1]["epoch"] < 1
+    again = _by_hand(launched, out, tiny_data, "--epochs", "2")
     assert [tree.wait_exit(180) for tree in again] == [0, 0], again[0].output()[-3000:]
-    assert [m["epoch"] for m in read_metrics(out)] == [0, 1, 2]
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
 
 
 def test_a_rank_waiting_for_peers_that_never_come_stops_at_once_on_a_signal(tiny_data, tmp_path,
@@ -570,10 +480,12 @@ STUCK_WORKER = """
 
 
 def test_a_batch_the_workers_never_send_is_one_line_not_a_hang(tiny_data, tmp_path, plain):
+    """The loader's timeout (3 s here) ends the run with one line, and the stuck worker, which
+    ignores stop signals, does not hold its exit (DataLoader would wait 10 s for it)."""
     started = time.monotonic()
     res = plain(flags(tiny_data, tmp_path / "run", "--epochs", "1", workers=1),
                 patch=textwrap.dedent(STUCK_WORKER), timeout=120)
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 13
     assert res.returncode == 1, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     (line,) = error_lines(res.stderr)
