@@ -25,6 +25,25 @@ def _rank_pid(tree, rank: int) -> int:
     return next(p for p in tree.children() if proc_env(p).get("RANK") == str(rank))
 
 
+# The first attempt's first two steps take over a second: a beat (once a second) falls in them.
+SLOW_START = r"""
+import os, runpy, sys, time
+sys.path.insert(0, os.getcwd())
+import multi_train_utils.train_eval_utils as _loop
+_step, _done = _loop._optimizer_step, [0]
+
+def _slow_step(*args, **kwargs):
+    _step(*args, **kwargs)
+    _done[0] += 1
+    if _done[0] <= 2 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        time.sleep(0.6)
+
+_loop._optimizer_step = _slow_step
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_a_frozen_rank_is_named_and_the_restarted_group_continues_mid_epoch(
         tiny_data, tmp_path, launched, reference_run):
     """Rank 1 frozen (SIGSTOP) after the second step, saved every 2 steps: rank 0 names it with
@@ -35,7 +54,9 @@ def test_a_frozen_rank_is_named_and_the_restarted_group_continues_mid_epoch(
     out, timeout = tmp_path / "run", 10  # the ranks must also meet within it at start-up
     argv = flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS), "--save-every-steps", "2",
                  "--dist-timeout", str(timeout))
-    tree = launched(torchrun_cmd(2, "--max-restarts=1", LAUNCH, *argv))
+    (tmp_path / "slow_start.py").write_text(SLOW_START)
+    tree = launched(torchrun_cmd(2, "--max-restarts=1", str(tmp_path / "slow_start.py"), LAUNCH,
+                                 *argv))
     frozen = _rank_pid(tree, 1)
     first_group = [p for p in tree.seen if p[0] in tree.children()]
     tree.wait_for(lambda: "[train epoch 0] step 2/" in tree.output(), "step 2")
@@ -48,7 +69,7 @@ def test_a_frozen_rank_is_named_and_the_restarted_group_continues_mid_epoch(
     assert not tree.alive_seen()
     assert "Traceback" not in output, output[-4000:]
     (line,) = error_lines(output)
-    # Its place as its last beat wrote it: up to a second, so a step or two, before the freeze.
+    # Its place as its last beat wrote it: up to a second, a step or two, before the freeze.
     assert re.search(rf"error: rank 1 \(host [^,]+, pid {frozen}\) stopped answering \d+ s ago "
                      r"at epoch 0, step [1-5] of 5 \([a-z ]+\); run the "
                      "same command again", line), line

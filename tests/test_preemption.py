@@ -287,7 +287,7 @@ def test_sigterm_to_every_process_group_during_long_steps_is_one_stop(tiny_data,
     """As slurmstepd signals every process of a step, and torchrun passes the signal on again:
     each rank gets two copies, and its Python handler runs after a step's long C call."""
     (tmp_path / "long_steps.py").write_text(LONG_STEPS)
-    argv = flags(tiny_data, tmp_path / "run", "--epochs", "2", "--print-freq", "1")
+    argv = flags(tiny_data, tmp_path / "run", "--epochs", "1", "--print-freq", "1")
     tree = launched(torchrun_cmd(2, str(tmp_path / "long_steps.py"), LAUNCH, *argv))
     tree.wait_for(lambda: "[train epoch 0] step 1/5" in tree.output(), "step 1")
     for group in {os.getpgid(pid) for pid, _ in tree.refresh()} | {tree.proc.pid}:
