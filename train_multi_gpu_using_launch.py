@@ -139,7 +139,8 @@ def main(args: argparse.Namespace) -> None:
         ckpt = load_checkpoint(ckpt_path, args, classes)
         start_epoch, best_acc, best_loss, history, progress = restore(
             ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
-        scan.resume_epoch(progress, ckpt, out, train_paths)  # a stopped epoch: its own images
+        if not args.eval_only:  # a stopped epoch: its own images
+            scan.resume_epoch(progress, ckpt, out, train_paths)
     if args.eval_only:
         log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
                                         channels_last=channels_last), classes))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from types import SimpleNamespace
@@ -210,6 +211,21 @@ def test_a_run_stopped_on_two_processes_continues_on_one(stopped_by_rank1, tmp_p
     order = torch.randperm(first["n"], generator=torch.Generator().manual_seed(0 + 1)).tolist()
     assert (first["epoch"], first["skip"]) == (1, 24)
     assert first["indices"] == order[24:]  # the two ranks trained exactly order[:24]
+
+
+def test_eval_only_on_a_stopped_run_changes_none_of_its_files(stopped_by_rank1, tiny_data,
+                                                             tmp_path, plain):
+    """--eval-only --val-path (that folder alone) with the stopped run's weights: the file list
+    the stopped epoch goes on over stays as it is, as every other file of the run."""
+    out = clone_run(stopped_by_rank1.out, tmp_path / "run", full=True)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    test_set = shutil.copytree(tiny_data, tmp_path / "test")
+    next((test_set / "roses").iterdir()).unlink()
+    argv = flags_for(stopped_by_rank1.argv, out)
+    del argv[argv.index("--data-path"):argv.index("--data-path") + 2]
+    res = plain([*argv, "--eval-only", "--val-path", str(test_set)])
+    assert res.returncode == 0 and "top-1 accuracy" in res.stderr, res.stderr[-3000:]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def flags_for(argv: list[str], out) -> list[str]:
