@@ -87,16 +87,16 @@ class FolderScan:
         def indices() -> torch.Tensor | None:
             if digest == self.digest:
                 return None
-            found = [(p, old) for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
-                     and old.digest == digest]
+            found = next((p for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
+                          and old.digest == digest), None)  # the first that matches: read once
             if not found:  # deleted, or the checkpoint of another run folder
                 log.warning("%s lacks the list epoch %d began with: its rest may repeat or miss "
                             "images", out, epoch)
                 return None
-            os.replace(found[0][0], kept)  # SCAN_FILE gets the new list, the epoch keeps its own
-            old = found[0][1].rebased(self.root)
-            listed = ([p for paths in old.images for p in paths] if saved.get("val_path")
-                      else split_train_val(old, saved["val_rate"], saved["seed"])[0])
+            os.replace(found, kept)  # SCAN_FILE gets the new list, the epoch keeps its own
+            old = old.rebased(self.root)
+            listed = split_train_val(old, saved["val_rate"], saved["seed"],
+                                     val_scan=old if saved.get("val_path") else None)[0]
             where = {path: i for i, path in enumerate(train_paths)}
             result = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
             gone = int((result < 0).sum())

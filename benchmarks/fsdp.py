@@ -7,7 +7,7 @@ the template's before, for the first model only), every rank, as the training sc
   its peak resident memory (``VmHWM``) over the build;
 - takes ``--steps`` momentum-SGD steps on synthetic ``--batch-size`` batches of ``--img-size``:
   the peak over training, the step time, and the bytes of parameters, gradients and optimizer
-  state it holds (``strategy.local_bytes``);
+  state it holds (``local_bytes``);
 - saves one checkpoint (``save_checkpoint``: gathered to rank 0 under ddp, each rank's shards
   under fsdp): seconds and bytes written.
 

@@ -252,10 +252,8 @@ def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
     last = whole_state(model)[0]  # {} on the other ranks
     if is_main_process():
         save_atomic(last, out / "weights" / f"model-{epoch}.pth")
-        if not (path := out / "model_best.pth").is_file():  # no validation images, no best
-            return
-        best = load_file(path)  # sharded, or saved under ddp
-        if best["epoch"] != epoch:
+        path = out / "model_best.pth"  # none without validation images; sharded, or ddp's
+        if path.is_file() and (best := load_file(path))["epoch"] != epoch:
             save_atomic(extract_state_dict(best, path),
                         out / "weights" / f"model-{best['epoch']}.pth")
 
@@ -313,7 +311,6 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     for group, hyper, lr_lambda in zip(optimizer.param_groups, command, scheduler.lr_lambdas):
         group.update(hyper)  # initial_lr: the lr this run's flags give (LambdaLR's base)
         group["lr"] = group["initial_lr"] * lr_lambda(start)
-    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
     scheduler.last_epoch = start
     history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start]
     return start, ckpt.get("best_acc", 0.0), ckpt.get("best_loss", math.inf), history, progress

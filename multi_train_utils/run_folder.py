@@ -89,11 +89,8 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     log.info("the earlier run's files in %s were moved to %s", out, aside)
 
     def where_now(path: str | None) -> str | None:
-        if path is None:
-            return None
-        # Absolute and normalised, links not followed (they may be moved too).
-        full, root = Path(os.path.abspath(path)), Path(os.path.abspath(out))
-        if not full.is_relative_to(root):
+        root = Path(os.path.abspath(out))  # absolute, normalised, links not followed (moved too)
+        if path is None or not (full := Path(os.path.abspath(path))).is_relative_to(root):
             return path
         inside = full.relative_to(root)
         return str(aside / inside) if inside.parts and out / inside.parts[0] in found else path

@@ -241,7 +241,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     for step, batch in enumerate(batches):
         images, labels = _unpack(batch, "train_one_epoch", device, channels_last)
         seen += labels.shape[0]
-        HEARTBEAT.at("forward", step=first + step + 1)
+        HEARTBEAT.at("forward")  # at the step the last call named
         if step == 0 and labels.is_floating_point():
             _check_probabilities(labels)  # once: the check syncs the host
         # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
@@ -285,10 +285,9 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
 def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> tuple[float, str]:
     """The mean loss over every rank's samples so far (a non-finite one raises on every rank),
     and in the same all-reduce each rank's own work (loading, forward): the slowest, named."""
-    work = torch.zeros(get_world_size(), dtype=torch.float64)
+    work = totals.new_zeros(get_world_size())  # float64, beside the totals
     work[get_rank()], HEARTBEAT.own = HEARTBEAT.own, 0.0
-    loss_sum, count, *work = reduce_value(torch.cat([totals, work.to(totals.device)]),
-                                          average=False).tolist()
+    loss_sum, count, *work = reduce_value(torch.cat([totals, work]), average=False).tolist()
     mean_loss = loss_sum / count if count else float("nan")
     if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
         raise FloatingPointError(

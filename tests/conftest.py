@@ -221,18 +221,15 @@ def run(case):
 # order), {"pid", "returncode"} as each ends.
 running, eof = set(), False
 while running or not eof:
-    if not eof and select.select([sys.stdin], [], [], 0.05 if running else None)[0]:
+    if select.select([] if eof else [sys.stdin], [], [], 0.05 if running else None)[0]:
         line = sys.stdin.readline()  # the next case is sent after this one's pid: one line
-        if not line:
-            eof = True
-            continue
-        pid = os.fork()
-        if pid == 0:
-            run(json.loads(line))
-        running.add(pid)
-        print(json.dumps({"pid": pid}), flush=True)
-    elif eof:
-        select.select([], [], [], 0.05)
+        eof = not line
+        if line:
+            pid = os.fork()
+            if pid == 0:
+                run(json.loads(line))
+            running.add(pid)
+            print(json.dumps({"pid": pid}), flush=True)
     while running:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if not pid:
@@ -652,9 +649,10 @@ _loop._optimizer_step, _loop.evaluate = _counted_step, _evaluate_then_stop
 """
 
 
-def make_stopper(folder: Path) -> str:
-    """A script that runs the script after it with :data:`STOPPER` in place (for torchrun)."""
-    script = folder / "stopper.py"
-    script.write_text(f"import runpy, sys\nsys.path.insert(0, {str(ROOT)!r})\n{STOPPER}\n"
+def make_stopper(folder: Path, patch: str = STOPPER, name: str = "stopper.py") -> str:
+    """A script that runs the script after it with ``patch`` (:data:`STOPPER`) in place (for
+    torchrun, which starts each rank from a script)."""
+    script = folder / name
+    script.write_text(f"import runpy, sys\nsys.path.insert(0, {str(ROOT)!r})\n{patch}\n"
                       "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
     return str(script)

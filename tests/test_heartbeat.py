@@ -12,8 +12,8 @@ import threading
 import time
 
 import torch.distributed as dist
-from conftest import (LAUNCH, REFERENCE_EPOCHS, assert_same_run, error_lines, flags, proc_env,
-                      torchrun_cmd)
+from conftest import (LAUNCH, REFERENCE_EPOCHS, assert_same_run, error_lines, flags,
+                      make_stopper, proc_env, torchrun_cmd)
 
 from multi_train_utils.heartbeat import Heartbeat, slowest
 
@@ -27,8 +27,7 @@ def _rank_pid(tree, rank: int) -> int:
 
 # The first attempt's first two steps take over a second: a beat (once a second) falls in them.
 SLOW_START = r"""
-import os, runpy, sys, time
-sys.path.insert(0, os.getcwd())
+import os, time
 import multi_train_utils.train_eval_utils as _loop
 _step, _done = _loop._optimizer_step, [0]
 
@@ -39,8 +38,6 @@ def _slow_step(*args, **kwargs):
         time.sleep(0.6)
 
 _loop._optimizer_step = _slow_step
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -54,9 +51,8 @@ def test_a_frozen_rank_is_named_and_the_restarted_group_continues_mid_epoch(
     out, timeout = tmp_path / "run", 10  # the ranks must also meet within it at start-up
     argv = flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS), "--save-every-steps", "2",
                  "--dist-timeout", str(timeout))
-    (tmp_path / "slow_start.py").write_text(SLOW_START)
-    tree = launched(torchrun_cmd(2, "--max-restarts=1", str(tmp_path / "slow_start.py"), LAUNCH,
-                                 *argv))
+    slow_start = make_stopper(tmp_path, SLOW_START, "slow_start.py")
+    tree = launched(torchrun_cmd(2, "--max-restarts=1", slow_start, LAUNCH, *argv))
     frozen = _rank_pid(tree, 1)
     first_group = [p for p in tree.seen if p[0] in tree.children()]
     tree.wait_for(lambda: "[train epoch 0] step 2/" in tree.output(), "step 2")
