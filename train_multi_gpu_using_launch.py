@@ -81,9 +81,8 @@ def main(args: argparse.Namespace) -> None:
     train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
                           skip_log=skip_log, replace_unreadable=True)
     val_set = MyDataSet(val_paths, val_labels, transforms["val"], skip_log=skip_log)
-    # Each rank draws its own 1/N of a permutation that changes every epoch (set_epoch; in an
-    # epoch a stop interrupted, only its rest); the validation sampler pads to a multiple of N,
-    # and evaluate() drops the padding again.
+    # Each rank draws its own 1/N of a new permutation each epoch (set_epoch; after a stop, the
+    # rest of it); the validation sampler pads to a multiple of N, and evaluate() drops the pad.
     train_sampler = ResumableSampler(train_set, info.world_size, info.rank, seed=args.seed)
     val_sampler = DistributedSampler(val_set, info.world_size, info.rank, shuffle=False)
     # drop_last: every rank takes the same number of steps, or DDP would wait for a missing one.
