@@ -1,21 +1,34 @@
-"""ResNet and ResNeXt image classifiers: torchvision's own classes, plus ``include_top``.
+"""ResNet and ResNeXt image classifiers: torchvision's own classes, plus ``include_top``; and
+every other classifier of torchvision by its name (``--model vit_b_16``), as its recipes use it.
 
 :class:`ResNet` is ``torchvision.models.ResNet``; the blocks are torchvision's :class:`BasicBlock`
 (ResNet-18/34) and :class:`Bottleneck` (ResNet-50 and deeper; stride on the 3x3 convolution, the
-"ResNet V1.5" of torchvision's weights). Its ImageNet weights load with ``strict=True``
-(downloading them is left to the caller). By name, as ``--model``::
+"ResNet V1.5" of torchvision's weights). Its ImageNet weights load with ``strict=True``. By
+name, as ``--model`` and ``--weights``::
 
     model = get_model("resnet50", num_classes=5)           # (N, 3, H, W) -> (N, 5)
     backbone = get_model("resnet50", include_top=False)    # (N, 3, H, W) -> (N, 2048, H/32, W/32)
+    state = named_weights("ResNet50_Weights.DEFAULT", "resnet50")  # torch hub's cache, 1000 classes
 
 Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs/1611.05431.
 """
 
+import difflib
+import logging
+import os
+import re
+import socket
 from typing import Any
 
+import torch
 import torchvision
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
+
+from multi_train_utils.checkpoint import load_pretrained
+from multi_train_utils.guard import ConfigError
+
+log = logging.getLogger("train")
 
 
 class ResNet(torchvision.models.ResNet):
@@ -96,11 +109,97 @@ MODELS = {f.__name__: f for f in (resnet18, resnet34, resnet50, resnet101,
                                   resnext50_32x4d, resnext101_32x8d)}
 
 
-def get_model(name: str, **kwargs: Any) -> ResNet:
-    """Build the model registered as ``name`` in :data:`MODELS`; ``kwargs`` go to its builder."""
-    if name not in MODELS:
-        raise ValueError(f"Unknown model {name!r}; choose one of: {', '.join(MODELS)}.")
-    return MODELS[name](**kwargs)
+def is_weights_name(value: str) -> bool:
+    """Whether ``--weights value`` names torchvision's weights (``ResNet50_Weights.DEFAULT``)."""
+    return bool(re.fullmatch(r"\w+_Weights\.\w+", value)) and not os.path.isfile(value)
+
+
+def get_model(name: str, num_classes: int = 1000, *, for_weights: str | None = None,
+              **kwargs: Any) -> nn.Module:
+    """``(N, 3, H, W) -> (N, num_classes)``: the :data:`MODELS` builder ``name``, else torchvision's
+    classifier ``name`` (``kwargs`` go to the builder). ``for_weights``: the ``--weights`` it will
+    load; googlenet and inception_v3 then convert their input as torchvision's weights need."""
+    if name in MODELS:
+        return MODELS[name](num_classes=num_classes, **kwargs)
+    if name not in (names := torchvision.models.list_models(module=torchvision.models)):
+        close = difflib.get_close_matches(name, names, n=3)
+        raise ConfigError(f"unknown --model {name}; " + (f"did you mean {', '.join(close)}?"
+                          if close else "see torchvision.models.list_models()."))
+    if name in ("googlenet", "inception_v3"):  # plain (N, K) logits: no auxiliary heads
+        kwargs = {"aux_logits": False, "init_weights": True, **kwargs,
+                  "transform_input": bool(for_weights and is_weights_name(for_weights))}
+    return torchvision.models.get_model(name, num_classes=num_classes, **kwargs)
+
+
+def check_model(name: str, img_size: int, weights: str | None = None) -> None:
+    """A :class:`ConfigError` for an unknown ``name``, ``weights`` named for another model, or a
+    model that cannot take ``img_size`` crops (ViT: only 224): it runs on the meta device."""
+    try:
+        with torch.device("meta"):
+            model = get_model(name, num_classes=2)
+    except NotImplementedError:  # RegNet computes its widths with tensors, which meta lacks;
+        model = nn.Identity()  # it takes any size
+    if weights and is_weights_name(weights):
+        _weights_enum(weights, name)
+    try:
+        with torch.no_grad():
+            model.eval()(torch.empty(1, 3, img_size, img_size, device="meta"))
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        reason = (str(exc) or type(exc).__name__).splitlines()[0]
+        raise ConfigError(f"--model {name} cannot take --img-size {img_size} crops ({reason}); "
+                          "use 224, as torchvision's recipes do.") from None
+
+
+def _weights_enum(value: str, model_name: str) -> Any:
+    own = torchvision.models.get_model_weights(model_name)  # an enum: IMAGENET1K_V1, DEFAULT, ...
+    enum_name, _, member = value.partition(".")
+    weights = own.__members__.get(member) if enum_name == own.__name__ else None
+    if weights is None:
+        raise ConfigError(f"--weights {value} is not a weights name of --model {model_name}; its "
+                          f"own are {', '.join(f'{own.__name__}.{k}' for k in own.__members__)}.")
+    return weights
+
+
+def named_weights(value: str, model_name: str) -> dict[str, Tensor] | None:
+    """The state dict (1000 classes) of torchvision's weights ``value`` for ``model_name``, from
+    torch hub's cache (``$TORCH_HOME``), downloaded if missing; ``None`` for a file name."""
+    if not is_weights_name(value):
+        return None
+    weights = _weights_enum(value, model_name)
+    folder = os.path.join(torch.hub.get_dir(), "checkpoints")
+    file = weights.url.rsplit("/", 1)[-1]  # torch hub's name for it
+    timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(30)  # a network that drops packets would hang the run unseen
+    try:  # torchvision's own loader: its key fixes (densenet), its transform_input
+        kwargs = {"aux_logits": False} if model_name in ("googlenet", "inception_v3") else {}
+        return torchvision.models.get_model(model_name, weights=weights, **kwargs).state_dict()
+    except OSError as exc:  # urllib's URLError too
+        if os.path.isfile(os.path.join(folder, file)):
+            raise
+        raise ConfigError(f"--weights {value}: {file} is not in the torch hub cache and could "
+                          f"not be downloaded ({getattr(exc, 'reason', exc)}); download "
+                          f"{weights.url} into {folder}.") from None
+    finally:
+        socket.setdefaulttimeout(timeout)
+
+
+def classifier_name(model: nn.Module) -> str:
+    """The top-level child holding the model's last layer with parameters (registration order),
+    an ``nn.Linear`` or 1x1 ``nn.Conv2d``: ``fc``, ``classifier``, ``heads`` (ViT), ``head``."""
+    name, last = [(n, m) for n, m in model.named_modules()
+                  if any(True for _ in m.parameters(recurse=False))][-1]
+    if not name or not (isinstance(last, nn.Linear) or isinstance(last, nn.Conv2d)
+                        and last.kernel_size == (1, 1)):
+        raise ValueError(f"{type(model).__name__} ends in {type(last).__name__}, not a "
+                         "classifier (nn.Linear or 1x1 nn.Conv2d); build it with include_top=True.")
+    return name.split(".")[0]
+
+
+def load_weights(model: nn.Module, weights: str, model_name: str, strict: bool = False) -> None:
+    """``--weights``: a file, or torchvision's weights by name (:func:`named_weights`), loaded as
+    far as it fits (:func:`~multi_train_utils.checkpoint.load_pretrained`): the classifier new."""
+    load_pretrained(model, weights, strict, head=classifier_name(model),
+                    state=named_weights(weights, model_name))
 
 
 def _batchnorm_eval(model: nn.Module, inputs: Any) -> None:
@@ -110,12 +209,15 @@ def _batchnorm_eval(model: nn.Module, inputs: Any) -> None:
 
 
 def freeze_backbone(model: nn.Module) -> None:
-    """Train only the classifier ``fc`` of ``model`` (before DDP wraps it). In train mode
-    BatchNorm would still overwrite its running statistics and the frozen features drift, so a
-    forward pre-hook puts every BatchNorm in eval mode, also after ``model.train()`` and
-    ``convert_sync_batchnorm``."""
-    if not any(name.startswith("fc.") for name, _ in model.named_parameters()):
-        raise ValueError("freeze_backbone needs a model with an fc classifier (include_top=True).")
+    """Train only the classifier of ``model`` (:func:`classifier_name`; before DDP wraps it). In
+    train mode BatchNorm would still overwrite its running statistics and the frozen features
+    drift, so a forward pre-hook puts every BatchNorm in eval mode, also after ``model.train()``
+    and ``convert_sync_batchnorm``."""
+    head = classifier_name(model)
     for name, param in model.named_parameters():
-        param.requires_grad_(name.startswith("fc."))
+        param.requires_grad_(name.split(".")[0] == head)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("--freeze-layers: training only %s (%s of %s parameters)", head, f"{trained:,}",
+             f"{total:,}")
     model.register_forward_pre_hook(_batchnorm_eval)

@@ -167,7 +167,8 @@ class MyDataSet(Dataset):
         self._epoch[0] = epoch
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
-        img, label = self._load_or_replace(index)
+        # index + k * len: the k-th copy of an image (repeated augmentation), augmented apart.
+        img, label = self._load_or_replace(index % len(self.images_path))
         if self.transform is None:
             return img, label
         epoch = int(self._epoch[0])

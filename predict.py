@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from model import MODELS, get_model
+from model import classifier_name, get_model
 from multi_train_utils.checkpoint import extract_state_dict, load_file, save_atomic
 from multi_train_utils.distributed_utils import pick_device
 from multi_train_utils.guard import UserError
@@ -80,16 +80,18 @@ def _read_args(path: Path | None) -> dict[str, Any]:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int) -> nn.Module:
-    """``name`` with ``num_classes`` outputs and ``state_dict`` loaded (strict), in eval mode."""
-    fc = state_dict.get("fc.weight")
-    if fc is None:
-        raise UserError("the weights have no classifier fc.weight: they are not from a model of "
-                        "this template trained with a head.")
-    if fc.shape[0] != num_classes:
+def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
+                for_weights: str | None = None) -> nn.Module:
+    """``name`` with ``num_classes`` outputs and ``state_dict`` loaded (strict), in eval mode;
+    ``for_weights``: the run's ``--weights`` (see ``model.get_model``)."""
+    model = get_model(name, num_classes=num_classes, for_weights=for_weights)
+    head = classifier_name(model)  # its last weight: the logits layer's, (num_classes, ...)
+    last = [k for k in model.state_dict() if k.startswith(f"{head}.") and k.endswith("weight")]
+    got = state_dict.get(last[-1])
+    if got is not None and got.shape[0] != num_classes:
         raise UserError(f"the class list has {num_classes} classes but the weights were trained "
-                        f"for {fc.shape[0]}; pass the class_indices.json of the same training run.")
-    model = get_model(name, num_classes=num_classes)
+                        f"for {got.shape[0]}; pass the class_indices.json of the same training "
+                        "run.")
     try:
         model.load_state_dict(state_dict)
     except RuntimeError:  # torch's message lists every key; the fix is one flag
@@ -119,7 +121,8 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
                             "class_indices.json beside it or one folder up; pass --class-indices.")
         classes = load_class_names(found)
     # `or`, not a .get default: args.json holds null for options left unset.
-    net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes))
+    net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes),
+                      for_weights=recorded.get("weights"))
     size = img_size or recorded.get("img_size")
     if not size:
         # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
@@ -224,9 +227,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--class-indices", type=path_flag, metavar="PATH",
                        help="JSON index -> class name (default: the checkpoint's own list, else "
                             "class_indices.json beside --weights or one folder up)")
-    group.add_argument("--model", choices=list(MODELS),
-                       help="architecture (default: as recorded in training, "
-                            f"else {DEFAULT_MODEL})")
+    group.add_argument("--model", help="architecture: a torchvision model name (default: as "
+                       f"recorded in training, else {DEFAULT_MODEL})")
     group.add_argument("--export", type=path_flag, metavar="FILE",
                        help="write the model's weights to FILE (a state dict torchvision loads; "
                             "from any checkpoint, sharded or not) instead of predicting")

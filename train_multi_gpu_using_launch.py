@@ -24,24 +24,26 @@ from pathlib import Path
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from model import MODELS, freeze_backbone, get_model
-from multi_train_utils.checkpoint import (load_checkpoint, load_pretrained, recorded_defaults,
-                                          restore, save_checkpoint, step_saves)
+from model import check_model, freeze_backbone, get_model, load_weights
+from multi_train_utils.checkpoint import (load_checkpoint, recorded_defaults, restore,
+                                          save_checkpoint, step_saves)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
                                                  cpus_per_process, init_distributed_mode,
                                                  register_comm_hook, run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
 from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
                                           resume_path, write_metrics)
+from multi_train_utils.recipe import (OPTIMIZERS, SCHEDULES, BatchMix, ModelEma, lr_schedule,
+                                      make_optimizer, resolve_recipe)
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, cosine_schedule,
-                                               evaluate, format_report, resolve_amp_dtype,
-                                               train_one_epoch)
+from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
+                                               format_report, resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
-from utils import (BoolFlag, HelpFormatter, default_demo_root, epoch_record, get_transforms,
-                   log_epoch, make_demo_data, number, path_flag, scan_image_folder,
-                   split_train_val, tensorboard_writer, write_json_atomic, write_scan_files)
+from utils import (AUTO_AUGMENT, BoolFlag, HelpFormatter, augment_flags, default_demo_root,
+                   epoch_record, get_transforms, imagenet_layout, log_epoch, make_demo_data,
+                   number, path_flag, scan_image_folder, split_train_val, tensorboard_writer,
+                   write_json_atomic, write_scan_files)
 
 log = logging.getLogger("train")
 RUN_DEFAULTS = {"model": "resnet34", "img_size": 224}  # unless the run resumed had others
@@ -76,14 +78,15 @@ def main(args: argparse.Namespace) -> None:
     # A file's side depends only on its name and --seed: stable as the folder grows.
     train_paths, train_labels, val_paths, val_labels = split_train_val(
         scan, args.val_rate, args.seed, val_scan=val_scan)  # --val-path: all of the rest trains
-    transforms = get_transforms(args.img_size, args.decode)  # decoded by workers or the device
+    transforms = get_transforms(args.img_size, args.decode, **augment_flags(args))  # workers'
     skip_log = None if args.eval_only else out / "skipped_files.txt"
     train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
                           skip_log=skip_log, replace_unreadable=True)
     val_set = MyDataSet(val_paths, val_labels, transforms["val"], skip_log=skip_log)
     # Each rank draws its own 1/N of a new permutation each epoch (set_epoch; after a stop, the
     # rest of it); the validation sampler pads to a multiple of N, and evaluate() drops the pad.
-    train_sampler = ResumableSampler(train_set, info.world_size, info.rank, seed=args.seed)
+    train_sampler = ResumableSampler(train_set, info.world_size, info.rank, seed=args.seed,
+                                     repeats=args.ra_reps if args.ra_sampler else 1)
     val_sampler = DistributedSampler(val_set, info.world_size, info.rank, shuffle=False)
     # drop_last: every rank takes the same number of steps, or DDP would wait for a missing one.
     train_batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=True)
@@ -99,11 +102,11 @@ def main(args: argparse.Namespace) -> None:
     # fsdp the others build on the meta device (no memory), their shards filled from rank 0's.
     fsdp = info.world_size > 1 and args.strategy == "fsdp"
     with torch.device("meta" if fsdp and info.rank > 0 else "cpu"):
-        model = get_model(args.model, num_classes=len(classes))
+        model = get_model(args.model, num_classes=len(classes), for_weights=args.weights)
     if weights and ckpt_path is None:
-        run_on_main(load_pretrained, model, weights, strict=args.eval_only)
+        run_on_main(load_weights, model, weights, args.model, strict=args.eval_only)
     if args.freeze_layers:
-        freeze_backbone(model)  # only fc trains; BatchNorm statistics stay as loaded
+        freeze_backbone(model)  # only the classifier trains; BatchNorm statistics as loaded
     if args.sync_bn and info.distributed:
         model = convert_sync_batchnorm(model, device)  # over the global batch; ours on CPU
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
@@ -122,22 +125,21 @@ def main(args: argparse.Namespace) -> None:
     if args.compile:
         model = torch.compile(model)
 
-    # 4. Optimizer and schedule. Linear scaling (Goyal et al. 2017, arXiv:1706.02677): N
-    # processes average N times as many images per step, so the lr grows N times.
+    # 4. Optimizer and schedule (--lr scaled with the images per step), torchvision's recipe.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
-    lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
-    params = [p for p in model_without_ddp.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
-    scheduler = cosine_schedule(optimizer, args.epochs, args.lrf)  # a LambdaLR, once per epoch
+    optimizer = make_optimizer(model_without_ddp, args, images_per_step)  # SGD by default
+    scheduler = lr_schedule(optimizer, args)  # a LambdaLR, once per epoch
+    ema = ModelEma.create(model_without_ddp, args, images_per_step, device)  # --model-ema
+    mix = BatchMix.create(args, len(classes))  # --mixup-alpha, --cutmix-alpha
 
     # 5. Resume: weights, optimizer, RNG, the schedule's place and the epoch's (its next batch).
     start_epoch, best_acc, best_loss, history, progress = 0, 0.0, math.inf, [], EpochProgress()
     if ckpt_path:
         ckpt = load_checkpoint(ckpt_path, args, classes)
         start_epoch, best_acc, best_loss, history, progress = restore(
-            ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank)
+            ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank,
+            ema=ema)
         if not args.eval_only:  # a stopped epoch: its own images
             scan.resume_epoch(progress, ckpt, out, train_paths)
     if args.eval_only:
@@ -149,17 +151,15 @@ def main(args: argparse.Namespace) -> None:
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
                  start_epoch - 1, args.epochs)
         return cleanup()
-    # Rank 0 alone writes files and TensorBoard (the others would write the same, racing).
-    run_on_main(write_scan_files, out, scan)  # class_indices.json, skipped_files.txt, histogram
+    run_on_main(write_scan_files, out, scan)  # rank 0 alone writes: the others would race
     run_on_main(write_json_atomic, out / "args.json", run_args(args, info, images_per_step))
     writer = tensorboard_writer(out, start_epoch, train_set) if args.tensorboard else None
     log.info("%d process(es) on %s, %d images per step, lr %.3g, %d loader workers, amp %s, "
              "epochs %d-%d", info.world_size, device, images_per_step,
              optimizer.param_groups[0]["lr"], workers, amp_dtype, start_epoch, args.epochs - 1)
 
-    # 6. Epochs. set_epoch reshuffles; the loss and accuracy are already reduced over all ranks.
-    # A stop signal asks to stop: the ranks agree on an optimizer step, save where the epoch
-    # stands and exit; the same command continues at that batch (docs/resume-and-restarts.md).
+    # 6. Epochs; the loss and accuracy are already reduced over all ranks. At a stop signal the
+    # ranks agree on a step, save there and exit; the same command continues at that batch.
     with stop_requests() as stop:
         for epoch in range(start_epoch, args.epochs):
             train_sampler.set_epoch(epoch, skip=progress.samples, indices=progress.indices)
@@ -167,22 +167,25 @@ def main(args: argparse.Namespace) -> None:
             state = {"epoch": epoch, "best_acc": best_acc, "best_loss": best_loss,
                      "classes": classes, "args": run_args(args, info, images_per_step),
                      "metrics": history, "file_list": progress.file_list or scan.digest}
-            save = partial(save_checkpoint, out, model_without_ddp, optimizer, scaler, state)
+            save = partial(save_checkpoint, out, model_without_ddp, optimizer, scaler, state,
+                           ema=ema)
             t0 = time.perf_counter()
             train_loss = train_one_epoch(
                 model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
                 grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
                 print_freq=args.print_freq, channels_last=channels_last, progress=progress,
-                after_step=step_saves(stop, save, every=args.save_every_steps))
+                after_step=step_saves(stop, save, every=args.save_every_steps),
+                label_smoothing=args.label_smoothing, mix=mix, ema=ema)
             if progress.stopped:  # saved at the step every rank stopped after
                 stop.stop()
             train_seconds, lr = time.perf_counter() - t0, optimizer.param_groups[0]["lr"]
             scheduler.step()
-            result = evaluate(model, val_loader, device, amp_dtype=amp_dtype,
-                              channels_last=channels_last)
+            result, ema_result = (None if m is None else evaluate(
+                m, val_loader, device, amp_dtype=amp_dtype, channels_last=channels_last)
+                for m in (model, ema))  # --model-ema: the average's figures too
             images = len(train_loader) * args.batch_size * info.world_size
             record = epoch_record(epoch, train_loss, result, lr, time.perf_counter() - t0,
-                                  images_per_sec=images / train_seconds)
+                                  images_per_sec=images / train_seconds, ema=ema_result)
             history.append(record)
             is_best = (result.top1, -result.loss) > (best_acc, -best_loss)  # a tie: lower loss
             if is_best:
@@ -204,7 +207,12 @@ def run_args(args: argparse.Namespace, info: DistInfo, images_per_step: int) -> 
 
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
-    """Flags that contradict each other: one sentence each, before anything is read."""
+    """Flags that contradict each other: one sentence each, before anything is read. Flags
+    that follow from others are filled in (logged): torchvision's recipe, its data layout."""
+    imagenet_layout(args)  # D/train and D/val: --data-path D/train --val-path D/val
+    resolve_recipe(args)
+    if args.model:  # else the run's, or resnet34
+        check_model(args.model, args.img_size or 224, args.weights)
     out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
     if not args.eval_only and out.is_relative_to(data.resolve()):
         raise ConfigError(f"--output-dir {args.output_dir} is inside the data folder {data}, "
@@ -220,7 +228,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.world_size is not None and args.world_size != world_size:
         raise ConfigError(f"--world-size {args.world_size}, but the launcher started "
                           f"{world_size} process(es) (torchrun --nproc_per_node, srun -n).")
-    check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook)
+    check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook,
+                   model_ema=args.model_ema)
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -234,32 +243,39 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--demo-dir", type=path_flag, help="where the demo data is generated")
     group.add_argument("--val-rate", type=fraction, default=0.2, help="held out per class")
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
-    group.add_argument("--img-size", type=count, help="crop size (default: the run's, or 224)")
+    group.add_argument("--img-size", "--train-crop-size", dest="img_size", type=count,
+                       help="training crop (default: the run's, or 224)")
+    group.add_argument("--val-resize-size", type=count, help="(default: img-size x 256/224)")
+    group.add_argument("--val-crop-size", type=count, help="(default: --img-size)")
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
-    group.add_argument("--workers", type=number(int, 0), help="per process (GPU: CPUs-1, CPU: <=8)")
+    group.add_argument("--workers", "-j", type=number(int, 0),
+                       help="per process (GPU: CPUs-1, CPU: <=8)")
     group.add_argument("--decode", default="auto", choices=["auto", "workers", "device"],
                        help="JPEGs decoded by the loader workers or on --device (auto: workers)")
     group.add_argument("--verify-images", action=BoolFlag, default=False,
                        help="read every image's header before training (else the loader skips)")
     group = parser.add_argument_group("model")
-    group.add_argument("--model", choices=sorted(MODELS), help="(default: the run's, or resnet34)")
-    group.add_argument("--weights", type=path_flag, help="initial weights (what fits is loaded)")
+    group.add_argument("--model", help="any torchvision model (default: the run's, or resnet34)")
+    group.add_argument("--weights", type=path_flag,
+                       help="a file, or torchvision's ResNet50_Weights.DEFAULT (what fits loads)")
     group.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
-                       help="train only the classifier (fc)")
+                       help="train only the classifier (fc, classifier, heads, ...)")
     group.add_argument("--sync-bn", "--syncBN", dest="sync_bn", action=BoolFlag, default=True,
                        help="BatchNorm statistics over the global batch")
     group = parser.add_argument_group("optimisation")
     group.add_argument("--epochs", type=count, default=30, help="in all, resumed ones included")
-    group.add_argument("--batch-size", "--batch_size", type=count, default=16, help="per process")
+    group.add_argument("--batch-size", "--batch_size", "-b", type=count, default=16,
+                       help="per process")
     group.add_argument("--lr", type=positive, default=0.001, help="for one process's batch")
-    group.add_argument("--scale-lr", action=BoolFlag, default=True,
-                       help="lr x world size x --grad-accum-steps (linear scaling)")
+    group.add_argument("--scale-lr", action=BoolFlag, help="lr x world size x --grad-accum-steps "
+                       "(default: on, off with torchvision's --opt or --lr-scheduler flags)")
     group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
-    group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD momentum")
-    group.add_argument("--weight-decay", type=nonnegative, default=0.005, help="SGD weight decay")
+    group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD/RMSprop momentum")
+    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005)
     group.add_argument("--grad-accum-steps", type=count, default=1, help="step every K batches")
     group.add_argument("--clip-grad-norm", type=positive, help="max gradient norm")
+    recipe_flags(parser.add_argument_group("torchvision's recipe (docs/recipes.md)"))
     group = parser.add_argument_group("speed")
     group.add_argument("--amp", action=BoolFlag, help="mixed precision (default: on for CUDA)")
     group.add_argument("--channels-last", action=BoolFlag, help="NHWC (default: on for CUDA)")
@@ -287,12 +303,47 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                        help="keep the newest K weights/model-N.pth (0: all)")
     group.add_argument("--save-every-steps", type=number(int, 0), default=0,
                        help="also save mid-epoch every K optimizer steps (0: at signals only)")
-    group.add_argument("--eval-only", action=BoolFlag, default=False,
-                       help="evaluate the --resume/--weights model and exit")
+    group.add_argument("--eval-only", "--test-only", dest="eval_only", action=BoolFlag,
+                       default=False, help="evaluate the --resume/--weights model and exit")
     group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")
     group.add_argument("--print-freq", type=count, default=50, help="log every N steps")
     group.add_argument("--tensorboard", action=BoolFlag, default=True, help="rank 0 logs curves")
     return parser
+
+
+def recipe_flags(group: argparse._ArgumentGroup) -> None:
+    """torchvision's training-recipe flags, with its names and defaults (all off here)."""
+    nonnegative, fraction = number(float, 0), number(float, 0, 1)
+    group.add_argument("--opt", choices=OPTIMIZERS, help="(default: sgd)")
+    group.add_argument("--lr-scheduler", choices=SCHEDULES, help="(default: cosine, or steplr "
+                       "with --lr-step-size or --lr-gamma); stepped once per epoch")
+    group.add_argument("--lr-step-size", type=number(int, 1), help="steplr (default: 30)")
+    group.add_argument("--lr-gamma", type=nonnegative, help="steplr/exponentiallr (default: 0.1)")
+    group.add_argument("--lr-min", type=nonnegative, default=0.0, help="cosineannealinglr")
+    group.add_argument("--lr-warmup-epochs", type=number(int, 0), default=0)
+    group.add_argument("--lr-warmup-method", choices=["linear", "constant"], default="constant")
+    group.add_argument("--lr-warmup-decay", type=fraction, default=0.01, help="first lr factor")
+    group.add_argument("--label-smoothing", type=fraction, default=0.0)
+    group.add_argument("--mixup-alpha", type=nonnegative, default=0.0)
+    group.add_argument("--cutmix-alpha", type=nonnegative, default=0.0)
+    group.add_argument("--auto-augment", choices=AUTO_AUGMENT, help="policy (default: none)")
+    group.add_argument("--ra-magnitude", type=number(int, 0), default=9, help="--auto-augment ra")
+    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3)
+    group.add_argument("--random-erase", type=fraction, default=0.0, help="probability")
+    group.add_argument("--interpolation", choices=["nearest", "bilinear", "bicubic"],
+                       default="bilinear")
+    group.add_argument("--model-ema", action=BoolFlag, default=False, help="evaluate and save "
+                       "an exponential moving average of the weights too")
+    group.add_argument("--model-ema-steps", type=number(int, 1), default=32)
+    group.add_argument("--model-ema-decay", type=fraction, default=0.99998)
+    for name in ("norm", "bias"):
+        group.add_argument(f"--{name}-weight-decay", type=nonnegative,
+                           help=f"for {name} parameters (default: --weight-decay)")
+    group.add_argument("--transformer-embedding-decay", type=nonnegative,
+                       help="for class token and position embeddings (default: --weight-decay)")
+    group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated "
+                       "augmentation: each image --ra-reps times a step, in other crops")
+    group.add_argument("--ra-reps", type=number(int, 1), default=3)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from torchvision.transforms import v2
 
 from multi_train_utils.distributed_utils import is_main_process, run_on_main
 from multi_train_utils.guard import UserError
-from multi_train_utils.train_eval_utils import EpochProgress
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, EpochProgress
 from device_decode import BatchAugment
 from my_dataset import MyDataSet, check_image, printable_path
 
@@ -333,12 +333,41 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False
     return train_p, train_y, val_p, val_y
 
 
-def get_transforms(img_size: int, decode: str = "workers") -> dict[str, Any]:
+AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # torchvision's
+
+
+def augment_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of ``args`` that :func:`get_transforms` takes, by the same names."""
+    return {k: getattr(args, k) for k in ("auto_augment", "ra_magnitude", "augmix_severity",
+                                          "random_erase", "interpolation", "val_resize_size",
+                                          "val_crop_size")}
+
+
+def get_transforms(img_size: int, decode: str = "workers", *, auto_augment: str | None = None,
+                   ra_magnitude: int = 9, augmix_severity: int = 3, random_erase: float = 0.0,
+                   interpolation: str = "bilinear", val_resize_size: int | None = None,
+                   val_crop_size: int | None = None) -> dict[str, Any]:
     """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``,
-    validation as torchvision's (resize, centre crop); normalisation happens on the device, so
-    the workers send a quarter of the bytes. ``--decode device`` decodes and augments there too."""
-    pipelines = {"train": v2.Compose([v2.RandomResizedCrop(img_size), v2.RandomHorizontalFlip()]),
-                 "val": v2.Compose([v2.Resize(int(img_size * 256 / 224)), v2.CenterCrop(img_size)])}
+    validation as torchvision's (resize to ``val_resize_size``, default ``img_size x 256/224``,
+    centre crop ``val_crop_size``, default ``img_size``); normalisation happens on the device, so
+    the workers send a quarter of the bytes. ``--decode device`` decodes and augments there too.
+    torchvision's recipe adds a policy (``--auto-augment``) and ``--random-erase``, whose fill is
+    the mean colour (its 0 after normalisation); ``MyDataSet`` seeds each from (seed, epoch, i)."""
+    mode = v2.InterpolationMode(interpolation)
+    train = [v2.RandomResizedCrop(img_size, interpolation=mode), v2.RandomHorizontalFlip()]
+    warp = mode if interpolation != "bicubic" else v2.InterpolationMode.BILINEAR  # tensors' only
+    if auto_augment:
+        train.append({"ta_wide": lambda: v2.TrivialAugmentWide(interpolation=warp),
+                      "ra": lambda: v2.RandAugment(magnitude=ra_magnitude, interpolation=warp),
+                      "augmix": lambda: v2.AugMix(severity=augmix_severity, interpolation=warp)}
+                     .get(auto_augment, lambda: v2.AutoAugment(
+                         v2.AutoAugmentPolicy(auto_augment), interpolation=warp))())
+    if random_erase:
+        train.append(v2.RandomErasing(random_erase, value=[round(255 * m) for m in IMAGENET_MEAN]))
+    val_resize = val_resize_size or int(img_size * 256 / 224)
+    pipelines = {"train": v2.Compose(train),
+                 "val": v2.Compose([v2.Resize(val_resize, interpolation=mode),
+                                    v2.CenterCrop(val_crop_size or img_size)])}
     return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
 
 
@@ -409,21 +438,27 @@ def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.
 
 
 def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds: float,
-                 images_per_sec: float) -> dict[str, Any]:
-    """An epoch's line of ``metrics.jsonl`` (``result``: its ``evaluate()``), logged."""
-    record = {"epoch": epoch, "train_loss": round(train_loss, 6), "val_acc": round(result.top1, 6),
-              "val_loss": round(result.loss, 6),
-              "val_top5": None if result.top5 is None else round(result.top5, 6), "lr": lr,
-              "epoch_seconds": round(seconds, 3), "train_images_per_sec": round(images_per_sec, 2)}
+                 images_per_sec: float, ema: Any = None) -> dict[str, Any]:
+    """An epoch's line of ``metrics.jsonl`` (``result``: its ``evaluate()``; ``ema``: the
+    weights' average's, as ``ema_val_acc``, ...), logged."""
+    record = {"epoch": epoch, "train_loss": round(train_loss, 6)}
+    for prefix, res in (("", result), ("ema_", ema)) if ema is not None else (("", result),):
+        record.update({f"{prefix}val_acc": round(res.top1, 6), f"{prefix}val_loss": round(
+            res.loss, 6), f"{prefix}val_top5": None if res.top5 is None else round(res.top5, 6)})
+    record.update(lr=lr, epoch_seconds=round(seconds, 3),
+                  train_images_per_sec=round(images_per_sec, 2))
     log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
-             "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record))
+             "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record)
+             + ("  EMA: val acc {ema_val_acc:.4f}  val loss {ema_val_loss:.4f}".format(**record)
+                if ema is not None else ""))
     return record
 
 
 def log_epoch(writer: Any, record: dict[str, Any]) -> None:
     """An epoch's ``metrics.jsonl`` record as TensorBoard scalars."""
-    for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec"):
-        writer.add_scalar(tag, record[tag], record["epoch"])
+    for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec", "ema_val_acc"):
+        if tag in record:
+            writer.add_scalar(tag, record[tag], record["epoch"])
     writer.flush()
 
 
@@ -574,6 +609,19 @@ def user_cache_dir(instead: str) -> Path:
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     except (RuntimeError, KeyError):  # KeyError: Python < 3.12 without a user database entry
         raise DataError(f"this user has no home folder to keep a cache in; {instead}.") from None
+
+
+def imagenet_layout(args: argparse.Namespace) -> None:
+    """A ``--data-path D`` in torchvision's (ImageNet's) layout, ``D/train/<class>/`` and
+    ``D/val/<class>/``, is read as ``--data-path D/train --val-path D/val``, and said so."""
+    root = Path(args.data_path or "")
+    if not args.data_path or args.val_path or not all(
+            (root / part).is_dir() and any(p.is_dir() for p in (root / part).iterdir())
+            for part in ("train", "val")):
+        return
+    args.data_path, args.val_path = str(root / "train"), str(root / "val")
+    log.info("%s holds train/ and val/: training on %s, validating on %s", root,
+             args.data_path, args.val_path)
 
 
 def default_demo_root() -> Path:

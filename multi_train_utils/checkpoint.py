@@ -38,7 +38,11 @@ log = logging.getLogger("train")
 # docs/resume-and-restarts.md). These are refused: another value would put validation images
 # into training (the split), or the saved state would not fit (the parameters, their training).
 # Where the run is kept is not compared; every other change applies from the resumed step.
-REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights")
+# --opt and the RA sampler's: the optimizer state's kind, the stopped epoch's order. A
+# weight decay of a group given to only one run changes the optimizer's groups.
+REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights", "opt", "ra_sampler", "ra_reps")
+ONE_RUN_ONLY = ("val_path", "norm_weight_decay", "bias_weight_decay",
+                "transformer_embedding_decay")
 NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
 
 
@@ -115,13 +119,17 @@ def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Ten
     return dict(obj)
 
 
-def load_matching_weights(model: nn.Module, path: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """Load the tensors of ``path`` whose names and shapes fit ``model`` (e.g. all but a
-    1000-class head). Returns (the file's keys left out, the model's keys left as initialised).
+def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, head: str = "fc",
+                          state: dict[str, torch.Tensor] | None = None
+                          ) -> tuple[list[str], list[str]]:
+    """Load the tensors of ``path`` (or ``state``, read already; ``path`` then only names it)
+    whose names and shapes fit ``model``, e.g. all but a 1000-class classifier ``head`` (its
+    top-level module). Returns (the file's keys left out, the model's keys left as initialised).
     Weights of another architecture (backbone shapes differ) are refused, not mixed in."""
-    state, own = extract_state_dict(load_file(path), path), unwrap(model).state_dict()
+    state = extract_state_dict(load_file(path), path) if state is None else state
+    own = unwrap(model).state_dict()
     other = [k for k in state if k in own and own[k].shape != state[k].shape
-             and not k.startswith("fc.")]
+             and not k.startswith(f"{head}.")]
     if other or not any(k in own for k in state):
         example = f" (e.g. {other[0]}: {list(state[other[0]].shape)})" if other else ""
         raise CheckpointError(f"{path} does not fit this model{example}; were the weights made "
@@ -131,19 +139,21 @@ def load_matching_weights(model: nn.Module, path: str | os.PathLike) -> tuple[li
     return sorted(state.keys() - fitting.keys()), sorted(own.keys() - fitting.keys())
 
 
-def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
-    """``--weights``: start from every tensor that fits, and say what did not. ``strict``
-    (evaluation): every tensor of the model must come from the file."""
-    skipped, missing = load_matching_weights(model, path)
+def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: str = "fc",
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+    """``--weights``: start from every tensor that fits, and say what did not; ``head`` and
+    ``state`` as in :func:`load_matching_weights`. ``strict`` (evaluation): every tensor of the
+    model must come from the file."""
+    skipped, missing = load_matching_weights(model, path, head=head, state=state)
     if strict and missing:
         raise CheckpointError(f"{path} does not fit this model and data ({len(missing)} "
                               f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
                               "accuracy would be meaningless; pass its --model and data.")
     total = len(unwrap(model).state_dict())
     log.info("loaded %s: %d of the model's %d tensors%s", path, total - len(missing), total,
-             "; the classifier (fc) starts new" if any(k.startswith("fc.") for k in missing)
-             else "")
-    if any(not k.startswith("fc.") for k in [*missing, *skipped]):
+             f"; the classifier ({head}) starts new"
+             if any(k.startswith(f"{head}.") for k in missing) else "")
+    if any(not k.startswith(f"{head}.") for k in [*missing, *skipped]):
         log.warning("%s and the model differ beyond the classifier (%d tensor(s) of the model "
                     "not loaded, %d of the file unused)", path, len(missing), len(skipped))
 
@@ -210,7 +220,7 @@ def changed_flags(saved: dict[str, Any], args: Any) -> tuple[list[str], list[str
         if key in NOT_COMPARED or key not in saved or saved[key] == value:
             continue
         # --val-path given to only one run moves images between training and validation.
-        split = key in REFUSED or key == "val_path" and None in (value, saved[key])
+        split = key in REFUSED or key in ONE_RUN_ONLY and None in (value, saved[key])
         (refused if split else applied).append(
             f"{flag(key, value)} (the run had {flag(key, saved[key], bare=True)})")
     return refused, applied
@@ -260,14 +270,14 @@ def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
 
 def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
-            images_per_step: int, rank: int
+            images_per_step: int, rank: int, ema: nn.Module | None = None
             ) -> tuple[int, float, float, list[dict], EpochProgress]:
     """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
     schedule at the next epoch, or at the epoch a stop interrupted. Returns (start epoch, best
     acc, best val loss, metrics so far, the start epoch's progress: none, or where it stopped).
     The schedule is laid out anew (more ``--epochs``: the longer cosine) and the optimizer's
     settings (lr, momentum, ...) are this run's, as for a new run with its flags and world size;
-    its state (momentum buffers) is the checkpoint's."""
+    its state (momentum buffers) is the checkpoint's, as is ``ema``'s (``recipe.ModelEma``)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_state_dict)
 
@@ -288,6 +298,10 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
                               f"({exc}); use the flags it was trained with.") from None
     if "scaler" in ckpt and scaler.is_enabled():
         scaler.load_state_dict(ckpt["scaler"])
+    if ema is not None and "model_ema" in ckpt:
+        ema.load_state_dict(ckpt["model_ema"])
+    elif ema is not None and rank == 0:  # n_averaged 0: its next update copies the weights
+        log.info("the checkpoint holds no --model-ema average: it starts from these weights")
     rng = ckpt.get("rng_states") or []
     if rank < len(rng):
         restore_rng_state(rng[rank])
@@ -320,14 +334,15 @@ def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimize
                     scaler: torch.amp.GradScaler, state: dict[str, Any], *,
                     record: dict[str, Any] | None = None, is_best: bool = False,
                     keep_last: int = 0, progress: EpochProgress | None = None,
-                    final: bool = False) -> None:
+                    final: bool = False, ema: nn.Module | None = None) -> None:
     """Every rank calls it; rank 0 writes ``state`` (epoch, metrics, ...) with the model and
     optimizer state, every rank's RNG state and (``progress``) where the epoch stands. At an
     epoch's end (``record``: its metrics line) also the epoch's weights, the best model and the
     metrics line; part-way ``checkpoint.pth`` alone. A stop signal waits until all is on disk.
     Under FSDP each rank writes its shards, nothing gathered, to ``shards/epoch-N[-step-S]/`` (a
     folder every rank can see), which ``checkpoint.pth`` names. ``--keep-last`` K keeps the newest
-    K epochs' weights or shards; the ``final`` FSDP save also exports the weights."""
+    K epochs' weights or shards; the ``final`` FSDP save also exports the weights. ``ema``
+    (the same on every rank) is saved whole, and exported as ``weights/model_ema-N.pth``."""
     HEARTBEAT.at("saving")
     with signals_deferred():
         if is_sharded(model):
@@ -347,6 +362,8 @@ def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimize
             state["rng_states"] = rng_states
             if scaler.is_enabled():
                 state["scaler"] = scaler.state_dict()
+            if ema is not None:
+                state["model_ema"] = {k: v.cpu() for k, v in ema.state_dict().items()}
             _write(out, state, record, is_best, keep_last)
         if final and "shards" in state:
             _export_weights(out, model, state["epoch"])
@@ -360,6 +377,9 @@ def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_b
     epoch = state["epoch"]
     if record is not None and "model" in state:
         save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
+    if record is not None and "model_ema" in state:  # torchvision's format: no "module."
+        save_atomic({k.removeprefix("module."): v for k, v in state["model_ema"].items()
+                     if k != "n_averaged"}, out / "weights" / f"model_ema-{epoch}.pth")
     if is_best:
         save_atomic(state, out / "model_best.pth")
     save_atomic(state, out / "checkpoint.pth")
@@ -373,6 +393,7 @@ def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_b
                       if (m := re.fullmatch(r"model-(\d+)\.pth", p.name)))
     for old in numbered[:-keep_last] if keep_last else []:
         (out / "weights" / f"model-{old}.pth").unlink()
+        (out / "weights" / f"model_ema-{old}.pth").unlink(missing_ok=True)
 
 
 def step_saves(stop: StopRequest, save: Callable[..., None], every: int = 0

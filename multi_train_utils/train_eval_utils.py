@@ -169,18 +169,31 @@ class ResumableSampler(DistributedSampler):
     it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
     order is the same at any world size, so the rest can go to another number of ranks, dealt as
     ``DistributedSampler`` does; with the same world size each rank gets the rest of its own.
-    ``indices[i]``: the dataset's index of item i of the list the epoch began with (-1: gone)."""
+    ``indices[i]``: the dataset's index of item i of the list the epoch began with (-1: gone).
+
+    ``repeats`` r > 1 (``--ra-sampler``, repeated augmentation, arXiv:1901.09335) deals each
+    image r times in a row, copy j as index ``i + j * len(dataset)`` (``MyDataSet`` reads image
+    i and augments each copy apart), and ends the epoch after ``len(dataset) // W`` samples a
+    rank, as torchvision's ``RASampler`` does (without its rounding down to 256 images)."""
 
     skip, rest = 0, None  # rest: a part-way epoch's samples still to deal, in order
+
+    def __init__(self, *args: Any, repeats: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.repeats = repeats
 
     def set_epoch(self, epoch: int, skip: int = 0, indices: torch.Tensor | None = None) -> None:
         super().set_epoch(epoch)
         self.skip, self.rest = skip, None  # for this epoch only: the next deals a whole one
-        if skip or indices is not None:
-            n = len(self.dataset) if indices is None else len(indices)
+        if skip or indices is not None or self.repeats > 1:
+            n, r = len(self.dataset) if indices is None else len(indices), self.repeats
             order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
                      if self.shuffle else torch.arange(n))
+            copy = torch.arange(r).repeat(n)[:n // self.num_replicas * self.num_replicas]
+            order = order.repeat_interleave(r)[:len(copy)] if r > 1 else order
             order = order if indices is None else indices[order]
+            if r > 1:
+                order = torch.where(order >= 0, order + copy * len(self.dataset), -1)
             self.rest, self.order = order[skip:][order[skip:] >= 0], order[order >= 0]
 
     def __iter__(self) -> Iterator[int]:
@@ -214,14 +227,17 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                     amp_dtype: torch.dtype | None = None, grad_accum_steps: int = 1,
                     clip_grad_norm: float | None = None, print_freq: int = 50,
                     channels_last: bool = False, progress: EpochProgress | None = None,
-                    after_step: Callable[[EpochProgress], bool] | None = None) -> float:
+                    after_step: Callable[[EpochProgress], bool] | None = None,
+                    label_smoothing: float = 0.0, mix: Callable[..., Any] | None = None,
+                    ema: Any = None) -> float:
     """One pass over ``data_loader``; returns the mean cross-entropy over every rank's samples.
     The model maps ``(N, ...)`` to logits ``(N, C)``. ``grad_accum_steps`` K: the optimizer steps
     every K batches (and after the last) on their mean gradient, reduced only then. Progress:
     tqdm on rank 0 in a terminal, else a log line every ``print_freq`` steps. A non-finite loss
     raises on every rank. ``progress`` (updated in place) continues a stopped epoch, whose rest
     the loader deals; when ``after_step(progress)``, called after each optimizer step but the
-    last, returns True, the epoch ends there with ``progress.stopped`` set."""
+    last, returns True, the epoch ends there with ``progress.stopped`` set. ``mix`` mixes each
+    batch (``recipe.BatchMix``); ``ema.after_step`` follows each step (``recipe.ModelEma``)."""
     steps = _batches(data_loader, grad_accum_steps, print_freq)
     progress = progress if progress is not None else EpochProgress()
     scaler = scaler if scaler is not None else torch.amp.GradScaler(enabled=False)  # no-ops
@@ -229,7 +245,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     progress.batches_in_epoch = first + steps
     progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
     model.train()
-    loss_function = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
+    loss_function = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX,
+                                        label_smoothing=label_smoothing)
     mean_loss = _mean_loss(totals, epoch, first, print_freq)[0] if steps == 0 else float("nan")
     optimizer.zero_grad(set_to_none=True)
     bar = is_main_process() and sys.stdout.isatty()
@@ -240,6 +257,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     HEARTBEAT.at("loading data", epoch=epoch, step=first + 1, steps=first + steps)
     for step, batch in enumerate(batches):
         images, labels = _unpack(batch, "train_one_epoch", device, channels_last)
+        if mix is not None:
+            images, labels = mix(images, labels, epoch, first + step)
         seen += labels.shape[0]
         HEARTBEAT.at("forward")  # at the step the last call named
         if step == 0 and labels.is_floating_point():
@@ -262,6 +281,8 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         if last_micro:
             _optimizer_step(model, optimizer, scaler, clip_grad_norm)
             progress.batches, progress.samples = first + step + 1, samples + seen * world
+            if ema is not None:  # counts optimizer steps: the same after a resume
+                ema.after_step(model, epoch, -(-progress.batches // grad_accum_steps))
             if step + 1 < steps and after_step is not None and after_step(progress):
                 progress.stopped = True
         if progress.stopped or (step + 1) % print_freq == 0 or step + 1 == steps:

@@ -1,9 +1,14 @@
-"""model.py builds torchvision's ResNets: its classes, state dicts and outputs, plus include_top.
+"""model.py builds torchvision's ResNets (classes, state dicts, outputs, include_top) and, by
+name, its other classifiers; their classifier, FSDP units and named weights.
 
-Everything runs on CPU at 64x64 px with randomly initialised weights; nothing is downloaded.
+Everything runs on CPU at 64x64 px (the other classifiers mostly on the meta device) with randomly
+initialised weights; nothing is downloaded (named weights come from a planted torch hub cache).
 """
 
+import logging
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torchvision
 from torch import nn
 
 import model
+from multi_train_utils.guard import ConfigError
 
 NAMES = list(model.MODELS)
 # (N, 3, 64, 64) is enough to pass through all five downsamplings: layer4 is 2x2.
@@ -197,10 +203,10 @@ def test_zero_init_residual_makes_blocks_identity_branches(name: str) -> None:
         assert torch.all(block.bn1.weight == 1)
 
 
-def test_get_model_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="resnet9000") as excinfo:
-        model.get_model("resnet9000")
-    assert all(name in str(excinfo.value) for name in NAMES)
+def test_an_unknown_model_name_is_one_line_with_the_closest_names() -> None:
+    for call in (lambda: model.get_model("resnet35"), lambda: model.check_model("resnet35", 64)):
+        with pytest.raises(ConfigError, match=r"^unknown --model resnet35; did you mean .*34"):
+            call()
 
 
 @pytest.mark.parametrize(
@@ -287,3 +293,189 @@ def test_freeze_backbone_trains_only_fc_and_keeps_batchnorm_statistics() -> None
 def test_freeze_backbone_needs_a_classifier() -> None:
     with pytest.raises(ValueError, match="include_top=True"):
         model.freeze_backbone(model.resnet18(include_top=False))
+
+
+# torchvision's other classifiers by name (--model): built on the meta device where the test
+# needs only their structure (no memory, no init time), on the CPU where it runs them.
+def _meta(name: str, **kwargs: object) -> nn.Module:
+    with torch.device("meta"):
+        return model.get_model(name, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v3_small", "squeezenet1_0"])
+def test_a_torchvision_model_by_name_gives_num_classes_logits(name: str) -> None:
+    torch.manual_seed(0)
+    net = model.get_model(name, num_classes=7).eval()
+    assert type(net) is type(torchvision.models.get_model(name))
+    with torch.no_grad():
+        assert net(torch.randn(INPUT_SHAPE)).shape == (2, 7)
+
+
+def test_googlenet_has_no_auxiliary_heads_and_converts_input_only_for_torchvision_weights(
+        ) -> None:
+    plain = _meta("googlenet", num_classes=7)
+    assert (plain.aux_logits, plain.aux1, plain.transform_input) == (False, None, False)
+    assert _meta("googlenet", for_weights="GoogLeNet_Weights.DEFAULT").transform_input
+    assert not _meta("inception_v3", for_weights="weights/model-3.pth").transform_input
+
+
+@pytest.mark.parametrize(("name", "head"), [
+    ("resnet18", "fc"), ("mobilenet_v3_small", "classifier"), ("vit_b_16", "heads"),
+    ("swin_t", "head"), ("squeezenet1_0", "classifier")])  # squeezenet: a 1x1 Conv2d
+def test_the_classifier_is_the_child_holding_the_last_layer(name: str, head: str) -> None:
+    assert model.classifier_name(_meta(name, num_classes=7)) == head
+
+
+def test_freeze_backbone_trains_only_mobilenets_classifier(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    torch.manual_seed(0)
+    net = model.get_model("mobilenet_v3_small", num_classes=3)
+    before = _bn_buffers(net)
+    with caplog.at_level(logging.INFO, logger="train"):
+        model.freeze_backbone(net)
+    trained = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert trained == {n for n, _ in net.classifier.named_parameters(prefix="classifier")}
+    count = sum(p.numel() for p in net.classifier.parameters())
+    total = sum(p.numel() for p in net.parameters())
+    assert caplog.messages == [f"--freeze-layers: training only classifier ({count:,} of "
+                               f"{total:,} parameters)"]
+    net.train()(torch.randn(INPUT_SHAPE))
+    assert all(torch.equal(v, before[k]) for k, v in _bn_buffers(net).items())
+
+
+def test_fsdp_units_are_the_repeated_blocks() -> None:
+    from torchvision.models.mobilenetv3 import InvertedResidual
+    from torchvision.models.vision_transformer import EncoderBlock
+
+    from multi_train_utils.strategy import RESIDUAL_BLOCKS, fsdp_units
+
+    resnet = _meta("resnet18")  # as before the rule: the residual blocks, in the same order
+    assert fsdp_units(resnet) == [m for m in resnet.modules()
+                                  if type(m).__name__ in RESIDUAL_BLOCKS]
+    for name, block, count in [("vit_b_16", EncoderBlock, 12),
+                               ("mobilenet_v3_small", InvertedResidual, 11)]:
+        units = fsdp_units(_meta(name))
+        assert len(units) == count and all(type(u) is block for u in units), name
+    # torch.nn's own layers are no blocks: the whole model is one unit.
+    assert fsdp_units(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == []
+
+
+def _hub_file(weights: str) -> Path:
+    url = torchvision.models.get_weight(weights).url
+    return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
+
+
+def test_named_weights_come_from_torch_hubs_cache(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    name = "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
+    torch.manual_seed(3)
+    planted = torchvision.models.mobilenet_v3_small().state_dict()
+    _hub_file(name).parent.mkdir(parents=True)
+    torch.save(planted, _hub_file(name))
+
+    state = model.named_weights(name, "mobilenet_v3_small")
+
+    assert state.keys() == planted.keys()
+    assert all(torch.equal(state[k], planted[k]) for k in planted)
+    assert model.named_weights("MobileNet_V3_Small_Weights.DEFAULT", "mobilenet_v3_small"
+                               ).keys() == planted.keys()
+    assert model.named_weights(str(tmp_path / "model-3.pth"), "mobilenet_v3_small") is None
+
+
+def test_missing_named_weights_say_where_to_put_them(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    for var in ("https_proxy", "HTTPS_PROXY", "http_proxy"):  # nothing listens: fails at once
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    name = "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as excinfo:
+        model.named_weights(name, "mobilenet_v3_small")
+    assert time.monotonic() - start < 20
+    message, file = str(excinfo.value), _hub_file(name)
+    assert "\n" not in message and not file.exists()
+    assert f"{file.name} is not in the torch hub cache and could not be downloaded" in message
+    assert message.endswith(f"; download {torchvision.models.get_weight(name).url} into "
+                            f"{file.parent}."), message
+
+
+def test_weights_named_for_another_model_are_refused() -> None:
+    other = "ResNet50_Weights.IMAGENET1K_V2"
+    for call in (lambda: model.named_weights(other, "mobilenet_v3_small"),
+                 lambda: model.check_model("mobilenet_v3_small", 64, other)):
+        with pytest.raises(ConfigError, match=r"^--weights ResNet50_Weights.IMAGENET1K_V2 is not a "
+                           r"weights name of --model mobilenet_v3_small; its own are "
+                           r"MobileNet_V3_Small_Weights\.IMAGENET1K_V1, "):
+            call()
+    model.check_model("resnet34", 64, "ResNet34_Weights.DEFAULT")  # the template's own ResNets
+
+
+def test_check_model_refuses_a_crop_size_the_model_cannot_take() -> None:
+    with pytest.raises(ConfigError, match=r"^--model vit_b_16 cannot take --img-size 64 crops "
+                       r"\(Wrong image height! Expected 224 but got 64!\); use 224"):
+        model.check_model("vit_b_16", 64)
+    model.check_model("vit_b_16", 224)
+    model.check_model("regnet_x_400mf", 32)  # not buildable on meta: left to its first forward
+
+
+def test_mallopt_returns_freed_fsdp_buffers_to_the_os(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multi_train_utils import strategy
+
+    calls = []
+
+    class Libc:
+        def __init__(self, name: None) -> None:
+            assert name is None
+
+        def mallopt(self, *args: int) -> int:
+            calls.append(args)
+            return 1
+
+    monkeypatch.setattr(strategy.ctypes, "CDLL", Libc)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    strategy.return_freed_memory()
+    assert calls == [(-3, 1 << 20)]  # M_MMAP_THRESHOLD, 1 MiB
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own choice stands
+    strategy.return_freed_memory()
+    assert calls == [(-3, 1 << 20)]
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setattr(Libc, "mallopt", property(lambda self: self.missing))  # not glibc
+    strategy.return_freed_memory()
+
+
+def test_load_pretrained_keeps_the_backbone_and_starts_the_named_head_new(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from multi_train_utils.checkpoint import CheckpointError, load_pretrained
+
+    torch.manual_seed(0)
+    state = torchvision.models.mobilenet_v3_small().state_dict()  # 1000 classes
+    net = model.get_model("mobilenet_v3_small", num_classes=3)
+    new_head = net.classifier[3].weight.clone()
+    with pytest.raises(CheckpointError, match="does not fit this model"):  # fc is no head here
+        load_pretrained(net, "MobileNet_V3_Small_Weights.DEFAULT", state=state)
+    with caplog.at_level(logging.INFO, logger="train"):
+        load_pretrained(net, "MobileNet_V3_Small_Weights.DEFAULT", head="classifier",
+                        state=state)
+    own = net.state_dict()
+    assert all(torch.equal(own[k], state[k]) for k in own if not k.startswith("classifier.3."))
+    assert torch.equal(own["classifier.3.weight"], new_head)
+    total = len(own)
+    assert caplog.messages == [f"loaded MobileNet_V3_Small_Weights.DEFAULT: {total - 2} of the "
+                               f"model's {total} tensors; the classifier (classifier) starts new"]
+
+
+def test_predict_checks_the_class_count_on_any_classifier() -> None:
+    from multi_train_utils.guard import UserError
+    from predict import build_model
+
+    torch.manual_seed(0)
+    state = model.get_model("mobilenet_v3_small", num_classes=3).state_dict()
+    assert not build_model("mobilenet_v3_small", state, 3).training
+    with pytest.raises(UserError, match="^the class list has 4 classes but the weights were "
+                       "trained for 3;"):
+        build_model("mobilenet_v3_small", state, 4)
+    with pytest.raises(UserError, match="^the weights do not fit --model resnet18;"):
+        build_model("resnet18", state, 3)

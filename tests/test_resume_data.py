@@ -162,7 +162,7 @@ def test_a_class_folder_whose_name_is_not_utf8_trains_and_is_written_escaped(tin
 DROPOUT = """
 import hashlib, os, torch, torch.nn as nn, model
 import multi_train_utils.train_eval_utils as loop
-model.get_model = lambda name, num_classes: nn.Sequential(
+model.get_model = lambda name, num_classes, **kw: nn.Sequential(
     nn.Flatten(), nn.Linear(3 * 32 * 32, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, num_classes)
 )
 _plain_step = loop._optimizer_step
