@@ -123,7 +123,7 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     # `or`, not a .get default: args.json holds null for options left unset.
     net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes),
                       for_weights=recorded.get("weights"))
-    size = img_size or recorded.get("img_size")
+    size = img_size or recorded.get("val_crop_size") or recorded.get("img_size")
     if not size:
         # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
         print(f"warning: no image size recorded for {weights}; assuming {DEFAULT_IMG_SIZE} px: "

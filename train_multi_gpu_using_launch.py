@@ -46,7 +46,8 @@ from utils import (AUTO_AUGMENT, BoolFlag, HelpFormatter, augment_flags, default
                    write_json_atomic, write_scan_files)
 
 log = logging.getLogger("train")
-RUN_DEFAULTS = {"model": "resnet34", "img_size": 224}  # unless the run resumed had others
+RUN_DEFAULTS = {"model": "resnet34", "img_size": 224,  # unless the run resumed had others
+                "val_resize_size": None, "val_crop_size": None}
 
 
 def main(args: argparse.Namespace) -> None:
