@@ -25,7 +25,7 @@ from model import check_model
 from multi_train_utils.checkpoint import changed_flags
 from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import BatchMix, ModelEma, lr_schedule, make_optimizer, resolve_recipe
-from multi_train_utils.train_eval_utils import ResumableSampler
+from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from train_multi_gpu_using_launch import get_args_parser
 from utils import get_transforms, imagenet_layout
 
@@ -201,6 +201,19 @@ def test_a_continued_run_refuses_another_optimizer_order_or_decay_groups():
                        "--no-scale-lr (the run had --scale-lr)"]  # --opt: torchvision's lr
     assert changed_flags(saved, parse("--norm-weight-decay", "0.01")) == (
         [], ["--norm-weight-decay 0.01 (the run had 0.0)"])
+
+
+def test_label_smoothing_is_cross_entropys_in_the_training_loss():
+    torch.manual_seed(0)
+    model, batch = nn.Linear(6, 4), (torch.randn(8, 6), torch.arange(8) % 4)
+    losses = [train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.0), [batch],
+                              torch.device("cpu"), 0, label_smoothing=smoothing)
+              for smoothing in (0.0, 0.1)]
+    with torch.no_grad():
+        expected = [nn.functional.cross_entropy(model(batch[0]), batch[1], label_smoothing=s)
+                    for s in (0.0, 0.1)]
+    assert losses == pytest.approx([e.item() for e in expected], rel=1e-6)
+    assert losses[0] < losses[1]
 
 
 # ---------------------------------------------------------------- mixup, cutmix, EMA, RA
