@@ -126,7 +126,7 @@ def main(args: argparse.Namespace) -> None:
     if args.compile:
         model = torch.compile(model)
 
-    # 4. Optimizer and schedule (--lr scaled with the images per step), torchvision's recipe.
+    # 4. Optimizer and schedule: SGD on a cosine, or torchvision's recipe (--opt, ...: recipe.py).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
     optimizer = make_optimizer(model_without_ddp, args, images_per_step)  # SGD by default
