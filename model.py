@@ -114,11 +114,11 @@ def is_weights_name(value: str) -> bool:
     return bool(re.fullmatch(r"\w+_Weights\.\w+", value)) and not os.path.isfile(value)
 
 
-def get_model(name: str, num_classes: int = 1000, *, for_weights: str | None = None,
-              **kwargs: Any) -> nn.Module:
+def get_model(name: str, num_classes: int = 1000, **kwargs: Any) -> nn.Module:
     """``(N, 3, H, W) -> (N, num_classes)``: the :data:`MODELS` builder ``name``, else torchvision's
-    classifier ``name`` (``kwargs`` go to the builder). ``for_weights``: the ``--weights`` it will
-    load; googlenet and inception_v3 then convert their input as torchvision's weights need."""
+    classifier ``name`` (``kwargs`` go to the builder). googlenet and inception_v3 come without
+    auxiliary heads and always convert their input as torchvision's weights need (a fixed affine
+    map; the weights do not record it, so every run and every load of their files agrees)."""
     if name in MODELS:
         return MODELS[name](num_classes=num_classes, **kwargs)
     if name not in (names := torchvision.models.list_models(module=torchvision.models)):
@@ -126,8 +126,7 @@ def get_model(name: str, num_classes: int = 1000, *, for_weights: str | None = N
         raise ConfigError(f"unknown --model {name}; " + (f"did you mean {', '.join(close)}?"
                           if close else "see torchvision.models.list_models()."))
     if name in ("googlenet", "inception_v3"):  # plain (N, K) logits: no auxiliary heads
-        kwargs = {"aux_logits": False, "init_weights": True, **kwargs,
-                  "transform_input": bool(for_weights and is_weights_name(for_weights))}
+        kwargs = {"aux_logits": False, "init_weights": True, "transform_input": True, **kwargs}
     return torchvision.models.get_model(name, num_classes=num_classes, **kwargs)
 
 
@@ -172,7 +171,8 @@ def named_weights(value: str, model_name: str) -> dict[str, Tensor] | None:
     socket.setdefaulttimeout(30)  # a network that drops packets would hang the run unseen
     try:  # torchvision's own loader: its key fixes (densenet), its transform_input
         kwargs = {"aux_logits": False} if model_name in ("googlenet", "inception_v3") else {}
-        return torchvision.models.get_model(model_name, weights=weights, **kwargs).state_dict()
+        with torch.random.fork_rng(devices=[]):  # its random init must not move this RNG
+            return torchvision.models.get_model(model_name, weights=weights, **kwargs).state_dict()
     except OSError as exc:  # urllib's URLError too
         if os.path.isfile(os.path.join(folder, file)):
             raise

@@ -175,7 +175,9 @@ class MyDataSet(Dataset):
         if epoch < 0:
             return self.transform(img), label
         with torch.random.fork_rng(devices=[]):  # the CPU generator only; restored after
-            torch.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_003 + index) % 2**63)
+            # Not torch.manual_seed: it would reseed the GPUs' generators too (--workers 0).
+            torch.default_generator.manual_seed(
+                ((self.seed * 1_000_003 + epoch) * 1_000_003 + index) % 2**63)
             return self.transform(img), label
 
     def _load(self, index: int) -> Any:

@@ -9,8 +9,8 @@ top-k ``class: probability`` pairs; an unreadable image is reported on stderr (e
 From Python::
 
     from predict import load_predictor, predict
-    model, classes, img_size = load_predictor("runs/train/model_best.pth")
-    for p in predict(model, ["tulip.jpg"], classes, img_size, torch.device("cpu"), top_k=3):
+    model, classes, preprocess = load_predictor("runs/train/model_best.pth")
+    for p in predict(model, ["tulip.jpg"], classes, preprocess, torch.device("cpu"), top_k=3):
         print(p.path, p.top_k)
 """
 
@@ -20,7 +20,7 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,11 +80,9 @@ def _read_args(path: Path | None) -> dict[str, Any]:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
-                for_weights: str | None = None) -> nn.Module:
-    """``name`` with ``num_classes`` outputs and ``state_dict`` loaded (strict), in eval mode;
-    ``for_weights``: the run's ``--weights`` (see ``model.get_model``)."""
-    model = get_model(name, num_classes=num_classes, for_weights=for_weights)
+def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int) -> nn.Module:
+    """``name`` with ``num_classes`` outputs and ``state_dict`` loaded (strict), in eval mode."""
+    model = get_model(name, num_classes=num_classes)
     head = classifier_name(model)  # its last weight: the logits layer's, (num_classes, ...)
     last = [k for k in model.state_dict() if k.startswith(f"{head}.") and k.endswith("weight")]
     got = state_dict.get(last[-1])
@@ -101,9 +99,10 @@ def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
 
 
 def load_predictor(weights: Path | str, *, model: str | None = None, img_size: int | None = None,
-                   class_indices: Path | str | None = None) -> tuple[nn.Module, list[str], int]:
-    """``(model in eval mode on the CPU, class names, image size)`` for ``weights``; the
-    keyword arguments override what the checkpoint or the run's files record."""
+                   class_indices: Path | str | None = None
+                   ) -> tuple[nn.Module, list[str], Callable[[Tensor], Tensor]]:
+    """``(model in eval mode on the CPU, class names, the run's validation preprocessing)`` for
+    ``weights``; the keyword arguments override what the checkpoint or the run's files record."""
     weights = Path(weights)
     obj = load_file(weights)  # CPU, weights_only=True: a file from elsewhere cannot run code
     state_dict = extract_state_dict(obj, weights)
@@ -121,14 +120,16 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
                             "class_indices.json beside it or one folder up; pass --class-indices.")
         classes = load_class_names(found)
     # `or`, not a .get default: args.json holds null for options left unset.
-    net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes),
-                      for_weights=recorded.get("weights"))
+    net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes))
     size = img_size or recorded.get("val_crop_size") or recorded.get("img_size")
     if not size:
         # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
         print(f"warning: no image size recorded for {weights}; assuming {DEFAULT_IMG_SIZE} px: "
               "pass the --img-size used in training.", file=sys.stderr)
-    return net, list(classes), int(size or DEFAULT_IMG_SIZE)
+    # The run's validation sizes and interpolation, unless --img-size says otherwise.
+    flags = {} if img_size else {k: recorded[k] for k in ("val_resize_size", "interpolation")
+                                 if recorded.get(k)}
+    return net, list(classes), get_transforms(int(size or DEFAULT_IMG_SIZE), **flags)["val"]
 
 
 def collect_images(inputs: Sequence[Path | str]) -> list[Path]:
@@ -154,12 +155,14 @@ def _load(path: Path, transform: Any) -> Tensor:
 
 
 @torch.inference_mode()
-def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str], img_size: int,
+def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str],
+            img_size: int | Callable[[Tensor], Tensor],
             device: torch.device, top_k: int = 5, batch_size: int = 32) -> Iterator[Prediction]:
     """One :class:`Prediction` per path, in order, batch by batch (so output can start early).
     Images get training's validation preprocessing, so ``model`` sees what the validation
-    accuracy saw: ``(B, 3, img_size, img_size)`` normalised -> ``(B, len(classes))`` logits."""
-    transform = get_transforms(img_size)["val"]
+    accuracy saw (``img_size``: a crop size, or :func:`load_predictor`'s preprocessing):
+    ``(B, 3, img_size, img_size)`` normalised -> ``(B, len(classes))`` logits."""
+    transform = get_transforms(img_size)["val"] if isinstance(img_size, int) else img_size
     model.eval().to(device)  # eval: BatchNorm uses its running statistics, not the batch's
     for start in range(0, len(paths), batch_size):
         results: dict[Path, Prediction] = {}
@@ -192,9 +195,9 @@ def main(args: argparse.Namespace) -> None:
         device = pick_device(args.device)  # a mistake: one error line, as in training
         if not (args.images or args.export):
             raise UserError("no images given: name image files or folders (or --export FILE).")
-        model, classes, img_size = load_predictor(args.weights, model=args.model,
-                                                  img_size=args.img_size,
-                                                  class_indices=args.class_indices)
+        model, classes, preprocess = load_predictor(args.weights, model=args.model,
+                                                    img_size=args.img_size,
+                                                    class_indices=args.class_indices)
         if args.export:  # any checkpoint of a run, sharded (fsdp) or not: torchvision's format
             save_atomic(model.state_dict(), args.export)
             return print(f"wrote {args.export}: the model of {args.weights}, as a state dict")
@@ -205,7 +208,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     failed = 0
-    for pred in predict(model, paths, classes, img_size, device, args.top_k, args.batch_size):
+    for pred in predict(model, paths, classes, preprocess, device, args.top_k, args.batch_size):
         if pred.error is None:
             print(format_prediction(pred), flush=True)
         else:

@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> None:
     # fsdp the others build on the meta device (no memory), their shards filled from rank 0's.
     fsdp = info.world_size > 1 and args.strategy == "fsdp"
     with torch.device("meta" if fsdp and info.rank > 0 else "cpu"):
-        model = get_model(args.model, num_classes=len(classes), for_weights=args.weights)
+        model = get_model(args.model, num_classes=len(classes))
     if weights and ckpt_path is None:
         run_on_main(load_weights, model, weights, args.model, strict=args.eval_only)
     if args.freeze_layers:
@@ -213,7 +213,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     imagenet_layout(args)  # D/train and D/val: --data-path D/train --val-path D/val
     resolve_recipe(args)
     if args.model:  # else the run's, or resnet34
-        check_model(args.model, args.img_size or 224, args.weights)
+        for size in {args.img_size or 224, args.val_crop_size or args.img_size or 224}:
+            check_model(args.model, size, args.weights)
     out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
     if not args.eval_only and out.is_relative_to(data.resolve()):
         raise ConfigError(f"--output-dir {args.output_dir} is inside the data folder {data}, "
@@ -246,8 +247,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
     group.add_argument("--img-size", "--train-crop-size", dest="img_size", type=count,
                        help="training crop (default: the run's, or 224)")
-    group.add_argument("--val-resize-size", type=count, help="(default: img-size x 256/224)")
-    group.add_argument("--val-crop-size", type=count, help="(default: --img-size)")
+    group.add_argument("--val-resize-size", type=count,
+                       help="(default: img-size x 256/224; torchvision's flags: 256)")
+    group.add_argument("--val-crop-size", type=count,
+                       help="(default: --img-size; torchvision's flags: 224)")
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
     group.add_argument("--workers", "-j", type=number(int, 0),
@@ -268,7 +271,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--epochs", type=count, default=30, help="in all, resumed ones included")
     group.add_argument("--batch-size", "--batch_size", "-b", type=count, default=16,
                        help="per process")
-    group.add_argument("--lr", type=positive, default=0.001, help="for one process's batch")
+    group.add_argument("--lr", type=positive, default=0.001,
+                       help="for one process's batch (torchvision's flags: the whole batch's)")
     group.add_argument("--scale-lr", action=BoolFlag, help="lr x world size x --grad-accum-steps "
                        "(default: on, off with torchvision's --opt or --lr-scheduler flags)")
     group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
@@ -323,7 +327,8 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lr-min", type=nonnegative, default=0.0, help="cosineannealinglr")
     group.add_argument("--lr-warmup-epochs", type=number(int, 0), default=0)
     group.add_argument("--lr-warmup-method", choices=["linear", "constant"], default="constant")
-    group.add_argument("--lr-warmup-decay", type=fraction, default=0.01, help="first lr factor")
+    group.add_argument("--lr-warmup-decay", type=number(float, 0, 1, above=True), default=0.01,
+                       help="first lr factor")
     group.add_argument("--label-smoothing", type=fraction, default=0.0)
     group.add_argument("--mixup-alpha", type=nonnegative, default=0.0)
     group.add_argument("--cutmix-alpha", type=nonnegative, default=0.0)
@@ -343,7 +348,7 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--transformer-embedding-decay", type=nonnegative,
                        help="for class token and position embeddings (default: --weight-decay)")
     group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated "
-                       "augmentation: each image --ra-reps times a step, in other crops")
+                       "augmentation: each image --ra-reps times in a row, in other crops")
     group.add_argument("--ra-reps", type=number(int, 1), default=3)
 
 

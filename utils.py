@@ -613,15 +613,17 @@ def user_cache_dir(instead: str) -> Path:
 
 def imagenet_layout(args: argparse.Namespace) -> None:
     """A ``--data-path D`` in torchvision's (ImageNet's) layout, ``D/train/<class>/`` and
-    ``D/val/<class>/``, is read as ``--data-path D/train --val-path D/val``, and said so."""
+    ``D/val/<class>/``, is read as ``--data-path D/train --val-path D/val`` (``--eval-only``:
+    ``--val-path D/val`` alone, so the training images are not listed), and said so."""
     root = Path(args.data_path or "")
     if not args.data_path or args.val_path or not all(
             (root / part).is_dir() and any(p.is_dir() for p in (root / part).iterdir())
             for part in ("train", "val")):
         return
-    args.data_path, args.val_path = str(root / "train"), str(root / "val")
+    args.data_path = None if args.eval_only else str(root / "train")
+    args.val_path = str(root / "val")
     log.info("%s holds train/ and val/: training on %s, validating on %s", root,
-             args.data_path, args.val_path)
+             args.data_path or "none", args.val_path)
 
 
 def default_demo_root() -> Path:

@@ -43,6 +43,8 @@ log = logging.getLogger("train")
 REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights", "opt", "ra_sampler", "ra_reps")
 ONE_RUN_ONLY = ("val_path", "norm_weight_decay", "bias_weight_decay",
                 "transformer_embedding_decay")
+BEFORE_RECIPES = {"opt": "sgd", "ra_sampler": False, "ra_reps": 3, "norm_weight_decay": None,
+                  "bias_weight_decay": None, "transformer_embedding_decay": None}  # older runs
 NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
 
 
@@ -215,7 +217,7 @@ def changed_flags(saved: dict[str, Any], args: Any) -> tuple[list[str], list[str
             return f"--{name}" if value else f"--no-{name}"
         return str(value) if bare else f"--{name} {value}"
 
-    refused, applied = [], []
+    refused, applied, saved = [], [], {**BEFORE_RECIPES, **saved}
     for key, value in sorted(vars(args).items()):
         if key in NOT_COMPARED or key not in saved or saved[key] == value:
             continue
@@ -300,8 +302,10 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
         scaler.load_state_dict(ckpt["scaler"])
     if ema is not None and "model_ema" in ckpt:
         ema.load_state_dict(ckpt["model_ema"])
-    elif ema is not None and rank == 0:  # n_averaged 0: its next update copies the weights
-        log.info("the checkpoint holds no --model-ema average: it starts from these weights")
+    elif ema is not None:  # n_averaged 0: its next update copies the weights again
+        ema.module.load_state_dict(unwrap(model).state_dict())
+        if rank == 0:
+            log.info("the checkpoint holds no --model-ema average: it starts from these weights")
     rng = ckpt.get("rng_states") or []
     if rank < len(rng):
         restore_rng_state(rng[rank])

@@ -37,18 +37,23 @@ EMBEDDINGS = ("class_token", "position_embedding", "relative_position_bias_table
 
 def resolve_recipe(args: Any) -> None:
     """Fill the recipe flags that depend on others, in ``args`` before it is recorded, and say
-    so: ``--lr-step-size``/``--lr-gamma`` alone choose ``steplr`` (torchvision's default); a
-    torchvision recipe gives the lr of the whole batch, so it is not scaled (``--scale-lr``)."""
-    if args.lr_scheduler is None:
-        args.lr_scheduler = "steplr" if args.lr_step_size or args.lr_gamma else "cosine"
-    recipe = args.opt or args.lr_scheduler != "cosine" or args.lr_warmup_epochs
-    if args.scale_lr is None:
-        args.scale_lr = not recipe
-        if recipe:
-            log.info("torchvision's recipe flags: --lr %g is the lr of all processes' batch, "
-                     "not scaled with the world size (--scale-lr to scale it)", args.lr)
+    so. With torchvision's ``--opt``, ``--lr-scheduler``, ``--lr-step-size`` or ``--lr-gamma``
+    (alone, they choose its default ``steplr``) its meanings hold: ``--lr`` is the whole
+    batch's, not scaled (``--scale-lr``), and validation crops 224 from 256 unless told."""
+    step = args.lr_step_size is not None or args.lr_gamma is not None
+    recipe = args.opt is not None or args.lr_scheduler is not None or step
+    if recipe:  # torchvision's meaning of its flags, and its defaults where the command is silent
+        log.info("torchvision's recipe flags: --lr %g is the lr of all processes' batch%s; "
+                 "validation resizes to %d and crops %d", args.lr, "" if args.scale_lr else
+                 ", not scaled with the world size", args.val_resize_size or 256,
+                 args.val_crop_size or 224)
+        args.val_resize_size = args.val_resize_size or 256
+        args.val_crop_size = args.val_crop_size or 224
+    args.scale_lr = not recipe if args.scale_lr is None else args.scale_lr
+    args.lr_scheduler = args.lr_scheduler or ("steplr" if step else "cosine")
     args.opt = args.opt or "sgd"
-    args.lr_step_size, args.lr_gamma = args.lr_step_size or 30, args.lr_gamma or 0.1
+    args.lr_step_size = 30 if args.lr_step_size is None else args.lr_step_size
+    args.lr_gamma = 0.1 if args.lr_gamma is None else args.lr_gamma
     if args.lr_warmup_epochs >= args.epochs:
         raise ConfigError(f"--lr-warmup-epochs {args.lr_warmup_epochs} leaves no epoch of the "
                           f"{args.epochs} for the schedule; lower it or raise --epochs.")
@@ -70,12 +75,11 @@ def make_optimizer(model: nn.Module, args: Any, images_per_step: int) -> torch.o
         custom += [(key, args.transformer_embedding_decay) for key in EMBEDDINGS]
     groups: dict[str, list[nn.Parameter]] = {"other": [], "norm": [], **{k: [] for k, _ in custom}}
     decay = {"other": args.weight_decay, "norm": args.norm_weight_decay, **dict(custom)}
-    for module_name, module in model.named_modules():
+    for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}" if module_name else name
-            key = next((k for k, _ in custom if k == (full if "." in k else name)), None)
             if not param.requires_grad:
                 continue  # --freeze-layers
+            key = next((k for k, _ in custom if k == name), None)  # a custom key first
             if key is None:
                 key = "norm" if args.norm_weight_decay is not None and isinstance(
                     module, NORMS) else "other"
@@ -160,30 +164,33 @@ class BatchMix:
     (N, 3, H, W), (N, C)`` class probabilities. Drawn from (seed, epoch, rank, batch), so a
     resumed epoch mixes its batches as the uninterrupted one did."""
 
-    def __init__(self, transform: Any, seed: int) -> None:
-        self.transform, self.seed = transform, seed
+    def __init__(self, transform: Any, seed: int, num_classes: int) -> None:
+        self.transform, self.seed, self.num_classes = transform, seed, num_classes
 
     @classmethod
     def create(cls, args: Any, num_classes: int) -> BatchMix | None:
         from torchvision.transforms import v2
 
-        mixes = ([v2.MixUp(alpha=args.mixup_alpha, num_classes=num_classes)]
+        # One class more: an unreadable image's (below), whose share of a target is dropped.
+        mixes = ([v2.MixUp(alpha=args.mixup_alpha, num_classes=num_classes + 1)]
                  if args.mixup_alpha else [])
         if args.cutmix_alpha:
-            mixes.append(v2.CutMix(alpha=args.cutmix_alpha, num_classes=num_classes))
+            mixes.append(v2.CutMix(alpha=args.cutmix_alpha, num_classes=num_classes + 1))
         if not mixes:
             return None
         log.info("mixup/cutmix: the training loss is against mixed targets (val is not mixed)")
-        return cls(v2.RandomChoice(mixes), args.seed)
+        return cls(v2.RandomChoice(mixes), args.seed, num_classes)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, batch: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        # An unreadable image's -100 has no class to mix (one host sync a step, where it is
-        # asked on a GPU: the price of not mixing a black image into its neighbour's target).
-        if labels.dim() != 1 or bool((labels < 0).any()):
-            return images, labels
+        if labels.dim() != 1:
+            return images, labels  # class probabilities already
+        # An unreadable image (-100, a black one) is mixed as a class of its own, then dropped:
+        # its share of a target trains nothing. No host sync, as a check of the labels would be.
+        labels = labels.where(labels >= 0, self.num_classes)
         rank = dist.get_rank() if dist.is_initialized() else 0
         with torch.random.fork_rng(devices=[]):  # every draw is on the CPU generator
-            torch.manual_seed((((self.seed * 1_000_003 + epoch) * 1_000_003 + rank) * 1_000_003
-                               + batch) % 2**63)
-            return self.transform(images, labels)
+            torch.default_generator.manual_seed(  # not torch.manual_seed: it reseeds the GPUs
+                (((self.seed * 1_000_003 + epoch) * 1_000_003 + rank) * 1_000_003 + batch) % 2**63)
+            images, target = self.transform(images, labels)
+        return images, target[:, :-1]

@@ -167,8 +167,9 @@ class EpochProgress:
 class ResumableSampler(DistributedSampler):
     """``DistributedSampler`` whose epoch can start part-way: after ``set_epoch(epoch, skip=k)``
     it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
-    order is the same at any world size, so the rest can go to another number of ranks, dealt as
-    ``DistributedSampler`` does; with the same world size each rank gets the rest of its own.
+    order is the same at any world size (but with ``repeats``), so the rest can go to another
+    number of ranks, dealt as ``DistributedSampler`` does; with the same world size each rank
+    gets the rest of its own.
     ``indices[i]``: the dataset's index of item i of the list the epoch began with (-1: gone).
 
     ``repeats`` r > 1 (``--ra-sampler``, repeated augmentation, arXiv:1901.09335) deals each
@@ -189,8 +190,9 @@ class ResumableSampler(DistributedSampler):
             n, r = len(self.dataset) if indices is None else len(indices), self.repeats
             order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
                      if self.shuffle else torch.arange(n))
-            copy = torch.arange(r).repeat(n)[:n // self.num_replicas * self.num_replicas]
-            order = order.repeat_interleave(r)[:len(copy)] if r > 1 else order
+            if r > 1:  # the first n // W * W of the repeated order; copy j of i: i + j * len
+                keep = n // self.num_replicas * self.num_replicas
+                order, copy = order.repeat_interleave(r)[:keep], torch.arange(keep) % r
             order = order if indices is None else indices[order]
             if r > 1:
                 order = torch.where(order >= 0, order + copy * len(self.dataset), -1)

@@ -411,7 +411,7 @@ def test_the_label_rule_finds_tables_blocks_and_rates():
 
 # ---------------------------------------------------------------- size and tone
 def test_the_readme_and_docs_keep_their_line_budgets():
-    """A front page of at most 220 lines; docs/ at most 1,450 lines in all (recipes.md the newest page)."""
+    """A front page of at most 220 lines; docs/ at most 1,450 lines in all."""
     lines = {page: len((ROOT / page).read_text(encoding="utf-8").splitlines()) for page in PAGES}
     assert lines["README.md"] <= 220, lines["README.md"]
     docs = {page: n for page, n in lines.items() if page.startswith("docs/")}

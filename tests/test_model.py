@@ -311,12 +311,11 @@ def test_a_torchvision_model_by_name_gives_num_classes_logits(name: str) -> None
         assert net(torch.randn(INPUT_SHAPE)).shape == (2, 7)
 
 
-def test_googlenet_has_no_auxiliary_heads_and_converts_input_only_for_torchvision_weights(
-        ) -> None:
-    plain = _meta("googlenet", num_classes=7)
-    assert (plain.aux_logits, plain.aux1, plain.transform_input) == (False, None, False)
-    assert _meta("googlenet", for_weights="GoogLeNet_Weights.DEFAULT").transform_input
-    assert not _meta("inception_v3", for_weights="weights/model-3.pth").transform_input
+def test_googlenet_has_no_auxiliary_heads_and_converts_input_as_its_weights_need() -> None:
+    for name in ("googlenet", "inception_v3"):
+        net = _meta(name, num_classes=7)
+        assert (net.aux_logits, net.AuxLogits if name == "inception_v3" else net.aux1,
+                net.transform_input) == (False, None, True)
 
 
 @pytest.mark.parametrize(("name", "head"), [

@@ -181,7 +181,11 @@ def test_flags_that_follow_from_others():
     mobilenet = parse("--opt", "rmsprop", "--lr-step-size", "2", "--lr-gamma", "0.973")
     assert (mobilenet.lr_scheduler, mobilenet.scale_lr) == ("steplr", False)
     assert parse("--lr-scheduler", "steplr", "--scale-lr").scale_lr
-    assert not parse("--lr-warmup-epochs", "1").scale_lr
+    assert parse("--lr-warmup-epochs", "1").scale_lr  # warmup alone: the template's own lr
+    sizes = [(a.val_resize_size, a.val_crop_size) for a in (parse(), parse("--opt", "adamw"),
+             parse("--lr-scheduler", "cosine", "--val-crop-size", "9"))]
+    assert sizes == [(None, None), (256, 224), (256, 9)]  # torchvision's, with its flags
+    assert parse("--lr-scheduler", "exponentiallr", "--lr-gamma", "0").lr_gamma == 0
     with pytest.raises(ConfigError, match="--lr-warmup-epochs 5 leaves no epoch of the 5"):
         parse("--epochs", "5", "--lr-warmup-epochs", "5")
     with pytest.raises(ConfigError, match="--decode workers"):
@@ -199,10 +203,16 @@ def test_a_continued_run_refuses_another_optimizer_order_or_decay_groups():
     assert refused == ["no --norm-weight-decay (the run had 0.0)",
                        "--opt adamw (the run had sgd)", "--ra-reps 4 (the run had 3)",
                        "--ra-sampler (the run had --no-ra-sampler)"]
-    assert applied == ["--mixup-alpha 0.2 (the run had 0.0)",
-                       "--no-scale-lr (the run had --scale-lr)"]  # --opt: torchvision's lr
+    assert applied == ["--mixup-alpha 0.2 (the run had 0.0)",  # and, as --opt asks:
+                       "--no-scale-lr (the run had --scale-lr)",  # torchvision's lr, its sizes
+                       "--val-crop-size 224 (the run had no --val-crop-size)",
+                       "--val-resize-size 256 (the run had no --val-resize-size)"]
     assert changed_flags(saved, parse("--norm-weight-decay", "0.01")) == (
         [], ["--norm-weight-decay 0.01 (the run had 0.0)"])
+    # A run saved before these flags existed trained with SGD and no groups.
+    before = {k: v for k, v in saved.items() if k not in ("opt", "norm_weight_decay")}
+    assert changed_flags(before, parse("--opt", "adamw", "--scale-lr"))[0] == [
+        "--opt adamw (the run had sgd)"]
 
 
 def test_label_smoothing_is_cross_entropys_in_the_training_loss():
@@ -237,8 +247,10 @@ def test_batch_mix_is_torchvisions_mixup_or_cutmix_drawn_from_seed_epoch_batch()
     assert torch.equal(outputs[0], outputs[3]) and not torch.equal(outputs[0], outputs[1])
     assert outputs[0].sum(1).allclose(torch.ones(8))
     unreadable = labels.clone()
-    unreadable[2] = -100
-    assert mix(images, unreadable, 0, 0)[1] is unreadable  # not mixed: -100 has no class
+    unreadable[2] = -100  # a black image: its share of a target is dropped, no host sync
+    mixed = mix(images, unreadable, 0, 0)[1]
+    assert torch.equal(mixed[[0, 1, 4, 5, 6, 7]], outputs[0][[0, 1, 4, 5, 6, 7]])
+    assert torch.equal(mixed[2:4].sum(1), outputs[0][2:4].sum(1) - outputs[0][2:4, 2])
     assert BatchMix.create(parse(), 5) is None
 
 
@@ -311,10 +323,13 @@ def test_imagenet_layout_reads_train_and_val(tmp_path):
         (tmp_path / "in" / part / "n01440764").mkdir(parents=True)
     (tmp_path / "flat" / "train").mkdir(parents=True)  # classes "train" and "val": not it
     (tmp_path / "flat" / "val").mkdir()
-    args = argparse.Namespace(data_path=str(tmp_path / "in"), val_path=None)
+    args = argparse.Namespace(data_path=str(tmp_path / "in"), val_path=None, eval_only=False)
     imagenet_layout(args)
     assert (args.data_path, args.val_path) == (str(tmp_path / "in" / "train"),
                                                str(tmp_path / "in" / "val"))
+    args = argparse.Namespace(data_path=str(tmp_path / "in"), val_path=None, eval_only=True)
+    imagenet_layout(args)  # evaluation: the val folder alone
+    assert (args.data_path, args.val_path) == (None, str(tmp_path / "in" / "val"))
     for given in [argparse.Namespace(data_path=str(tmp_path / "flat"), val_path=None),
                   argparse.Namespace(data_path=str(tmp_path / "in"), val_path="v")]:
         before = dict(vars(given))
@@ -329,7 +344,8 @@ RESNET50_V2 = ["--lr", "0.05", "--lr-scheduler", "cosineannealinglr", "--lr-warm
                "--random-erase", "0.1", "--weight-decay", "0.00002", "--norm-weight-decay", "0.0",
                "--label-smoothing", "0.1", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
                "--train-crop-size", "32", "--model-ema", "--model-ema-steps", "1",
-               "--val-resize-size", "36", "--ra-sampler", "--ra-reps", "4"]
+               "--val-resize-size", "36", "--val-crop-size", "32", "--ra-sampler", "--ra-reps",
+               "4"]
 
 
 def test_mobilenet_under_the_resnet50_v2_recipe_stopped_ends_bitwise_as_never_stopped(
