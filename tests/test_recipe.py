@@ -24,7 +24,7 @@ from torchvision.transforms import v2
 from conftest import (LAUNCH, ROOT, assert_same_run, assert_same_tensors, assert_user_error, flags,
                       free_port, load_ckpt, make_stopper, read_metrics)
 from model import check_model
-from multi_train_utils.checkpoint import changed_flags
+from multi_train_utils.checkpoint import changed_flags, restore, whole_state
 from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import BatchMix, ModelEma, lr_schedule, make_optimizer, resolve_recipe
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
@@ -278,6 +278,20 @@ def test_model_ema_follows_torchvisions_decay_and_update_rule():
     for a, b in zip(ours, theirs):
         assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
     assert ModelEma.create(model, parse(), 50, torch.device("cpu")) is None
+
+
+def test_model_ema_turned_on_for_a_continued_run_starts_from_its_weights():
+    torch.manual_seed(0)
+    model, args = nn.Linear(4, 3), parse("--model-ema", "--epochs", "2")
+    optimizer = make_optimizer(model, args, 16)
+    weights, optimizer_state = whole_state(model, optimizer)
+    ckpt = {"model": {k: v + 1 for k, v in weights.items()}, "optimizer": optimizer_state,
+            "epoch": 0}  # saved without --model-ema
+    ema = ModelEma.create(model, args, 16, torch.device("cpu"))
+    restore(ckpt, model, optimizer, lr_schedule(optimizer, args),
+            torch.amp.GradScaler("cpu", enabled=False), 16, 0, ema=ema)
+    assert_same_tensors(ema.module.state_dict(), model.state_dict())
+    assert torch.equal(model.weight, ckpt["model"]["weight"]) and int(ema.n_averaged) == 0
 
 
 def test_ra_sampler_order_is_torchvisions_and_each_copy_is_its_own_sample():

@@ -151,11 +151,13 @@ def test_a_class_folder_whose_name_is_not_utf8_trains_and_is_written_escaped(tin
     assert res.returncode == 0, res.stderr[-3000:]
     text = (out / "class_indices.json").read_text(encoding="utf-8")  # valid UTF-8
     assert '"caf\\udce9"' in text and json.loads(text)["0"] == os.fsdecode(b"caf\xe9")
-    model, classes, size = load_predictor(out / "weights" / "model-0.pth",
-                                          class_indices=out / "class_indices.json")
-    assert classes[0] == os.fsdecode(b"caf\xe9") and size == 32
+    model, classes, preprocess = load_predictor(out / "weights" / "model-0.pth",
+                                                class_indices=out / "class_indices.json")
+    assert classes[0] == os.fsdecode(b"caf\xe9")
+    assert preprocess(torch.zeros(3, 50, 60, dtype=torch.uint8)).shape == (3, 32, 32)
     image = Path(os.fsdecode(os.fsencode(data) + b"/caf\xe9/0000.jpg"))
-    [line] = map(format_prediction, predict(model, [image], classes, size, torch.device("cpu")))
+    [line] = map(format_prediction, predict(model, [image], classes, preprocess,
+                                            torch.device("cpu")))
     assert line.startswith(f"{data}/caf\\xe9/0000.jpg\t") and "caf\\xe9: " in line
 
 
