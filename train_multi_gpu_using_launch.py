@@ -47,7 +47,7 @@ from utils import (AUTO_AUGMENT, BoolFlag, HelpFormatter, augment_flags, default
 
 log = logging.getLogger("train")
 RUN_DEFAULTS = {"model": "resnet34", "img_size": 224,  # unless the run resumed had others
-                "val_resize_size": None, "val_crop_size": None}
+                "val_resize_size": None, "val_crop_size": None, "interpolation": "bilinear"}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -277,7 +277,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                        "(default: on, off with torchvision's --opt or --lr-scheduler flags)")
     group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
     group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD/RMSprop momentum")
-    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005)
+    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005,
+                       help="L2 penalty of every parameter trained (groups: --norm-weight-decay)")
     group.add_argument("--grad-accum-steps", type=count, default=1, help="step every K batches")
     group.add_argument("--clip-grad-norm", type=positive, help="max gradient norm")
     recipe_flags(parser.add_argument_group("torchvision's recipe (docs/recipes.md)"))
@@ -325,23 +326,28 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lr-step-size", type=number(int, 1), help="steplr (default: 30)")
     group.add_argument("--lr-gamma", type=nonnegative, help="steplr/exponentiallr (default: 0.1)")
     group.add_argument("--lr-min", type=nonnegative, default=0.0, help="cosineannealinglr")
-    group.add_argument("--lr-warmup-epochs", type=number(int, 0), default=0)
-    group.add_argument("--lr-warmup-method", choices=["linear", "constant"], default="constant")
+    group.add_argument("--lr-warmup-epochs", type=number(int, 0), default=0, help="epochs")
+    group.add_argument("--lr-warmup-method", choices=["linear", "constant"], default="constant",
+                       help="from lr x decay, or at it")
     group.add_argument("--lr-warmup-decay", type=number(float, 0, 1, above=True), default=0.01,
                        help="first lr factor")
-    group.add_argument("--label-smoothing", type=fraction, default=0.0)
-    group.add_argument("--mixup-alpha", type=nonnegative, default=0.0)
-    group.add_argument("--cutmix-alpha", type=nonnegative, default=0.0)
+    group.add_argument("--label-smoothing", type=fraction, default=0.0, help="training loss")
+    for name in ("mixup", "cutmix"):
+        group.add_argument(f"--{name}-alpha", type=nonnegative, default=0.0,
+                           help=f"{name} on each batch, lam ~ Beta(alpha, alpha)")
     group.add_argument("--auto-augment", choices=AUTO_AUGMENT, help="policy (default: none)")
     group.add_argument("--ra-magnitude", type=number(int, 0), default=9, help="--auto-augment ra")
-    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3)
+    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3,
+                       help="--auto-augment augmix")
     group.add_argument("--random-erase", type=fraction, default=0.0, help="probability")
     group.add_argument("--interpolation", choices=["nearest", "bilinear", "bicubic"],
-                       default="bilinear")
+                       help="(default: the run's, or bilinear)")
     group.add_argument("--model-ema", action=BoolFlag, default=False, help="evaluate and save "
                        "an exponential moving average of the weights too")
-    group.add_argument("--model-ema-steps", type=number(int, 1), default=32)
-    group.add_argument("--model-ema-decay", type=fraction, default=0.99998)
+    group.add_argument("--model-ema-steps", type=number(int, 1), default=32,
+                       help="optimizer steps between updates")
+    group.add_argument("--model-ema-decay", type=fraction, default=0.99998,
+                       help="adjusted to the images per update and the epochs, as torchvision")
     for name in ("norm", "bias"):
         group.add_argument(f"--{name}-weight-decay", type=nonnegative,
                            help=f"for {name} parameters (default: --weight-decay)")
@@ -349,8 +355,7 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
                        help="for class token and position embeddings (default: --weight-decay)")
     group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated "
                        "augmentation: each image --ra-reps times in a row, in other crops")
-    group.add_argument("--ra-reps", type=number(int, 1), default=3)
-
+    group.add_argument("--ra-reps", type=number(int, 1), default=3, help="--ra-sampler")
 
 if __name__ == "__main__":
     cli_args = get_args_parser().parse_args()

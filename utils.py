@@ -441,10 +441,12 @@ def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds:
                  images_per_sec: float, ema: Any = None) -> dict[str, Any]:
     """An epoch's line of ``metrics.jsonl`` (``result``: its ``evaluate()``; ``ema``: the
     weights' average's, as ``ema_val_acc``, ...), logged."""
-    record = {"epoch": epoch, "train_loss": round(train_loss, 6)}
-    for prefix, res in (("", result), ("ema_", ema)) if ema is not None else (("", result),):
-        record.update({f"{prefix}val_acc": round(res.top1, 6), f"{prefix}val_loss": round(
-            res.loss, 6), f"{prefix}val_top5": None if res.top5 is None else round(res.top5, 6)})
+    def scores(prefix: str, res: Any) -> dict[str, float | None]:
+        return {f"{prefix}val_acc": round(res.top1, 6), f"{prefix}val_loss": round(res.loss, 6),
+                f"{prefix}val_top5": None if res.top5 is None else round(res.top5, 6)}
+
+    record = {"epoch": epoch, "train_loss": round(train_loss, 6), **scores("", result),
+              **(scores("ema_", ema) if ema is not None else {})}
     record.update(lr=lr, epoch_seconds=round(seconds, 3),
                   train_images_per_sec=round(images_per_sec, 2))
     log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "

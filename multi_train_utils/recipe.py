@@ -58,7 +58,7 @@ def resolve_recipe(args: Any) -> None:
         raise ConfigError(f"--lr-warmup-epochs {args.lr_warmup_epochs} leaves no epoch of the "
                           f"{args.epochs} for the schedule; lower it or raise --epochs.")
     if args.decode == "device" and (args.auto_augment or args.random_erase
-                                    or args.interpolation != "bilinear"):
+                                    or args.interpolation not in (None, "bilinear")):
         raise ConfigError("--auto-augment, --random-erase and --interpolation run in the loader "
                           "workers; drop them, or use --decode workers.")
 
