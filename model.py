@@ -130,7 +130,8 @@ def get_model(name: str, num_classes: int = 1000, **kwargs: Any) -> nn.Module:
     return torchvision.models.get_model(name, num_classes=num_classes, **kwargs)
 
 
-def check_model(name: str, img_size: int, weights: str | None = None) -> None:
+def check_model(name: str, img_size: int, weights: str | None = None,
+                flag: str = "--img-size") -> None:
     """A :class:`ConfigError` for an unknown ``name``, ``weights`` named for another model, or a
     model that cannot take ``img_size`` crops (ViT: only 224): it runs on the meta device."""
     try:
@@ -145,7 +146,7 @@ def check_model(name: str, img_size: int, weights: str | None = None) -> None:
             model.eval()(torch.empty(1, 3, img_size, img_size, device="meta"))
     except (RuntimeError, AssertionError, ValueError) as exc:
         reason = (str(exc) or type(exc).__name__).splitlines()[0]
-        raise ConfigError(f"--model {name} cannot take --img-size {img_size} crops ({reason}); "
+        raise ConfigError(f"--model {name} cannot take {flag} {img_size} crops ({reason}); "
                           "use 224, as torchvision's recipes do.") from None
 
 
@@ -169,10 +170,11 @@ def named_weights(value: str, model_name: str) -> dict[str, Tensor] | None:
     file = weights.url.rsplit("/", 1)[-1]  # torch hub's name for it
     timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(30)  # a network that drops packets would hang the run unseen
-    try:  # torchvision's own loader: its key fixes (densenet), its transform_input
-        kwargs = {"aux_logits": False} if model_name in ("googlenet", "inception_v3") else {}
+    try:  # torchvision's own loader: its key fixes (densenet)
         with torch.random.fork_rng(devices=[]):  # its random init must not move this RNG
-            return torchvision.models.get_model(model_name, weights=weights, **kwargs).state_dict()
+            state = torchvision.models.get_model(model_name, weights=weights).state_dict()
+        aux = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's, inception's: not built here
+        return {k: v for k, v in state.items() if not k.startswith(aux)}
     except OSError as exc:  # urllib's URLError too
         if os.path.isfile(os.path.join(folder, file)):
             raise

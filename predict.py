@@ -121,15 +121,16 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
         classes = load_class_names(found)
     # `or`, not a .get default: args.json holds null for options left unset.
     net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes))
-    size = img_size or recorded.get("val_crop_size") or recorded.get("img_size")
+    size = img_size or recorded.get("img_size")
     if not size:
         # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
         print(f"warning: no image size recorded for {weights}; assuming {DEFAULT_IMG_SIZE} px: "
               "pass the --img-size used in training.", file=sys.stderr)
-    # The run's validation sizes and interpolation, unless --img-size says otherwise.
-    flags = {} if img_size else {k: recorded[k] for k in ("val_resize_size", "interpolation")
-                                 if recorded.get(k)}
-    return net, list(classes), get_transforms(int(size or DEFAULT_IMG_SIZE), **flags)["val"]
+    # The run's validation sizes and interpolation (--img-size: that crop of a resize x 256/224).
+    sizes = {} if img_size else {k: recorded.get(k) for k in ("val_resize_size", "val_crop_size")}
+    return net, list(classes), get_transforms(
+        int(size or DEFAULT_IMG_SIZE), interpolation=recorded.get("interpolation") or "bilinear",
+        **sizes)["val"]
 
 
 def collect_images(inputs: Sequence[Path | str]) -> list[Path]:

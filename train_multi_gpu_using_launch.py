@@ -20,6 +20,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
@@ -54,7 +55,7 @@ def main(args: argparse.Namespace) -> None:
     # 1. Processes: torchrun/srun/spawn tell each process its rank; NCCL on GPUs, gloo on CPU.
     info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
                                  timeout_s=args.dist_timeout, trace_dir=args.output_dir)
-    check_args(args, info.world_size)
+    args, defaults = check_args(args, info.world_size)  # a copy, completed; the run's defaults
     device, out, weights = info.device, Path(args.output_dir), args.weights
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -64,7 +65,7 @@ def main(args: argparse.Namespace) -> None:
     if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
         run_on_main(claim_output_dir, out)
         ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
-    args = recorded_defaults(args, ckpt_path or weights, RUN_DEFAULTS)  # the run's, if any
+    args = recorded_defaults(args, ckpt_path or weights, defaults)  # the run's, if any
 
     # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
     root = args.data_path or (args.eval_only and args.val_path) or str(make_demo_data(
@@ -207,14 +208,19 @@ def run_args(args: argparse.Namespace, info: DistInfo, images_per_step: int) -> 
     return {**vars(args), "world_size": info.world_size, "images_per_step": images_per_step}
 
 
-def check_args(args: argparse.Namespace, world_size: int) -> None:
-    """Flags that contradict each other: one sentence each, before anything is read. Flags
-    that follow from others are filled in (logged): torchvision's recipe, its data layout."""
+def check_args(args: argparse.Namespace, world_size: int
+               ) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Flags that contradict each other: one sentence each, before anything is read. Returns
+    ``args`` with the flags that follow from others filled in (logged): torchvision's recipe,
+    its data layout; and the defaults for flags a continued run takes from its checkpoint."""
+    args = argparse.Namespace(**vars(args))  # main(args) twice: the same run
     imagenet_layout(args)  # D/train and D/val: --data-path D/train --val-path D/val
-    resolve_recipe(args)
+    defaults = {**RUN_DEFAULTS, **resolve_recipe(args)}
     if args.model:  # else the run's, or resnet34
-        for size in {args.img_size or 224, args.val_crop_size or args.img_size or 224}:
-            check_model(args.model, size, args.weights)
+        size = args.img_size or 224
+        check_model(args.model, size, args.weights)
+        check_model(args.model, args.val_crop_size or defaults["val_crop_size"] or size,
+                    args.weights, flag="--val-crop-size")
     out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
     if not args.eval_only and out.is_relative_to(data.resolve()):
         raise ConfigError(f"--output-dir {args.output_dir} is inside the data folder {data}, "
@@ -232,6 +238,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                           f"{world_size} process(es) (torchrun --nproc_per_node, srun -n).")
     check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook,
                    model_ema=args.model_ema)
+    return args, defaults
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -274,7 +281,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--lr", type=positive, default=0.001,
                        help="for one process's batch (torchvision's flags: the whole batch's)")
     group.add_argument("--scale-lr", action=BoolFlag, help="lr x world size x --grad-accum-steps "
-                       "(default: on, off with torchvision's --opt or --lr-scheduler flags)")
+                       "(default: on; off with --opt, --lr-scheduler, --lr-step-size, --lr-gamma)")
     group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
     group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD/RMSprop momentum")
     group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005,
@@ -320,7 +327,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 def recipe_flags(group: argparse._ArgumentGroup) -> None:
     """torchvision's training-recipe flags, with its names and defaults (all off here)."""
     nonnegative, fraction = number(float, 0), number(float, 0, 1)
-    group.add_argument("--opt", choices=OPTIMIZERS, help="(default: sgd)")
+    group.add_argument("--opt", choices=OPTIMIZERS, help="(default: sgd); given, it and the "
+                       "three below mean what they do in torchvision: --lr the total, val 224")
     group.add_argument("--lr-scheduler", choices=SCHEDULES, help="(default: cosine, or steplr "
                        "with --lr-step-size or --lr-gamma); stepped once per epoch")
     group.add_argument("--lr-step-size", type=number(int, 1), help="steplr (default: 30)")

@@ -28,7 +28,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from torchvision.transforms import v2
 
 from multi_train_utils.distributed_utils import is_main_process, run_on_main
-from multi_train_utils.guard import UserError
+from multi_train_utils.guard import ConfigError, UserError
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, EpochProgress
 from device_decode import BatchAugment
 from my_dataset import MyDataSet, check_image, printable_path
@@ -348,11 +348,15 @@ def get_transforms(img_size: int, decode: str = "workers", *, auto_augment: str 
                    interpolation: str = "bilinear", val_resize_size: int | None = None,
                    val_crop_size: int | None = None) -> dict[str, Any]:
     """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``,
-    validation as torchvision's (resize to ``val_resize_size``, default ``img_size x 256/224``,
-    centre crop ``val_crop_size``, default ``img_size``); normalisation happens on the device, so
-    the workers send a quarter of the bytes. ``--decode device`` decodes and augments there too.
+    validation as torchvision's (centre crop ``val_crop_size``, default ``img_size``, of a
+    resize to ``val_resize_size``, default the crop x 256/224); normalisation happens on the
+    device, so the workers send a quarter of the bytes. ``--decode device`` decodes and
+    augments there too.
     torchvision's recipe adds a policy (``--auto-augment``) and ``--random-erase``, whose fill is
     the mean colour (its 0 after normalisation); ``MyDataSet`` seeds each from (seed, epoch, i)."""
+    if decode == "device" and (auto_augment or random_erase or interpolation != "bilinear"):
+        raise ConfigError("--auto-augment, --random-erase and --interpolation run in the loader "
+                          "workers; drop them (or the run's), or use --decode workers.")
     mode = v2.InterpolationMode(interpolation)
     train = [v2.RandomResizedCrop(img_size, interpolation=mode), v2.RandomHorizontalFlip()]
     warp = mode if interpolation != "bicubic" else v2.InterpolationMode.BILINEAR  # tensors' only
@@ -364,7 +368,7 @@ def get_transforms(img_size: int, decode: str = "workers", *, auto_augment: str 
                          v2.AutoAugmentPolicy(auto_augment), interpolation=warp))())
     if random_erase:
         train.append(v2.RandomErasing(random_erase, value=[round(255 * m) for m in IMAGENET_MEAN]))
-    val_resize = val_resize_size or int(img_size * 256 / 224)
+    val_resize = val_resize_size or int((val_crop_size or img_size) * 256 / 224)
     pipelines = {"train": v2.Compose(train),
                  "val": v2.Compose([v2.Resize(val_resize, interpolation=mode),
                                     v2.CenterCrop(val_crop_size or img_size)])}

@@ -43,8 +43,11 @@ log = logging.getLogger("train")
 REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights", "opt", "ra_sampler", "ra_reps")
 ONE_RUN_ONLY = ("val_path", "norm_weight_decay", "bias_weight_decay",
                 "transformer_embedding_decay")
-BEFORE_RECIPES = {"opt": "sgd", "ra_sampler": False, "ra_reps": 3, "norm_weight_decay": None,
-                  "bias_weight_decay": None, "transformer_embedding_decay": None}  # older runs
+BEFORE_RECIPES = {  # what runs saved before torchvision's recipe flags trained with
+    "opt": "sgd", "lr_scheduler": "cosine", "lr_warmup_epochs": 0, "label_smoothing": 0.0,
+    "mixup_alpha": 0.0, "cutmix_alpha": 0.0, "auto_augment": None, "random_erase": 0.0,
+    "model_ema": False, "ra_sampler": False, "ra_reps": 3, "norm_weight_decay": None,
+    "bias_weight_decay": None, "transformer_embedding_decay": None}
 NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
 
 

@@ -35,20 +35,19 @@ NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
 EMBEDDINGS = ("class_token", "position_embedding", "relative_position_bias_table")
 
 
-def resolve_recipe(args: Any) -> None:
+def resolve_recipe(args: Any) -> dict[str, int]:
     """Fill the recipe flags that depend on others, in ``args`` before it is recorded, and say
     so. With torchvision's ``--opt``, ``--lr-scheduler``, ``--lr-step-size`` or ``--lr-gamma``
     (alone, they choose its default ``steplr``) its meanings hold: ``--lr`` is the whole
-    batch's, not scaled (``--scale-lr``), and validation crops 224 from 256 unless told."""
+    batch's, not scaled (``--scale-lr``), and validation crops 224 of 256: the defaults
+    returned, which the sizes given, or those of the run continued, override."""
     step = args.lr_step_size is not None or args.lr_gamma is not None
     recipe = args.opt is not None or args.lr_scheduler is not None or step
     if recipe:  # torchvision's meaning of its flags, and its defaults where the command is silent
         log.info("torchvision's recipe flags: --lr %g is the lr of all processes' batch%s; "
-                 "validation resizes to %d and crops %d", args.lr, "" if args.scale_lr else
-                 ", not scaled with the world size", args.val_resize_size or 256,
-                 args.val_crop_size or 224)
-        args.val_resize_size = args.val_resize_size or 256
-        args.val_crop_size = args.val_crop_size or 224
+                 "validation crops 224 of 256 unless --val-crop-size/--val-resize-size or the "
+                 "run continued say otherwise", args.lr,
+                 "" if args.scale_lr else ", not scaled with the world size")
     args.scale_lr = not recipe if args.scale_lr is None else args.scale_lr
     args.lr_scheduler = args.lr_scheduler or ("steplr" if step else "cosine")
     args.opt = args.opt or "sgd"
@@ -57,10 +56,7 @@ def resolve_recipe(args: Any) -> None:
     if args.lr_warmup_epochs >= args.epochs:
         raise ConfigError(f"--lr-warmup-epochs {args.lr_warmup_epochs} leaves no epoch of the "
                           f"{args.epochs} for the schedule; lower it or raise --epochs.")
-    if args.decode == "device" and (args.auto_augment or args.random_erase
-                                    or args.interpolation not in (None, "bilinear")):
-        raise ConfigError("--auto-augment, --random-erase and --interpolation run in the loader "
-                          "workers; drop them, or use --decode workers.")
+    return {"val_resize_size": 256, "val_crop_size": 224} if recipe else {}
 
 
 def make_optimizer(model: nn.Module, args: Any, images_per_step: int) -> torch.optim.Optimizer:

@@ -259,12 +259,12 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     HEARTBEAT.at("loading data", epoch=epoch, step=first + 1, steps=first + steps)
     for step, batch in enumerate(batches):
         images, labels = _unpack(batch, "train_one_epoch", device, channels_last)
+        if step == 0 and labels.is_floating_point():
+            _check_probabilities(labels)  # once, the loader's: the check syncs the host
         if mix is not None:
             images, labels = mix(images, labels, epoch, first + step)
         seen += labels.shape[0]
         HEARTBEAT.at("forward")  # at the step the last call named
-        if step == 0 and labels.is_floating_point():
-            _check_probabilities(labels)  # once: the check syncs the host
         # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
         n_valid = (torch.full((), labels.shape[0], device=device)  # made there: no copy
                    if labels.is_floating_point() else (labels != IGNORE_INDEX).sum())

@@ -23,12 +23,13 @@ from torchvision.transforms import v2
 
 from conftest import (LAUNCH, ROOT, assert_same_run, assert_same_tensors, assert_user_error, flags,
                       free_port, load_ckpt, make_stopper, read_metrics)
-from model import check_model
-from multi_train_utils.checkpoint import changed_flags, restore, whole_state
+from multi_train_utils.checkpoint import (BEFORE_RECIPES, changed_flags, recorded_defaults,
+                                          restore, whole_state)
 from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import BatchMix, ModelEma, lr_schedule, make_optimizer, resolve_recipe
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
-from train_multi_gpu_using_launch import get_args_parser
+from predict import load_predictor
+from train_multi_gpu_using_launch import RUN_DEFAULTS, check_args, get_args_parser
 from utils import get_transforms, imagenet_layout
 
 
@@ -182,14 +183,14 @@ def test_flags_that_follow_from_others():
     assert (mobilenet.lr_scheduler, mobilenet.scale_lr) == ("steplr", False)
     assert parse("--lr-scheduler", "steplr", "--scale-lr").scale_lr
     assert parse("--lr-warmup-epochs", "1").scale_lr  # warmup alone: the template's own lr
-    sizes = [(a.val_resize_size, a.val_crop_size) for a in (parse(), parse("--opt", "adamw"),
-             parse("--lr-scheduler", "cosine", "--val-crop-size", "9"))]
-    assert sizes == [(None, None), (256, 224), (256, 9)]  # torchvision's, with its flags
+    assert resolve_recipe(get_args_parser().parse_args([])) == {}
+    assert resolve_recipe(get_args_parser().parse_args(["--opt", "adamw"])) == {
+        "val_resize_size": 256, "val_crop_size": 224}  # torchvision's, with its flags
     assert parse("--lr-scheduler", "exponentiallr", "--lr-gamma", "0").lr_gamma == 0
     with pytest.raises(ConfigError, match="--lr-warmup-epochs 5 leaves no epoch of the 5"):
         parse("--epochs", "5", "--lr-warmup-epochs", "5")
     with pytest.raises(ConfigError, match="--decode workers"):
-        parse("--decode", "device", "--auto-augment", "ta_wide")
+        get_transforms(32, "device", interpolation="bicubic")
     args = get_args_parser().parse_args(
         ["--wd", "0.1", "-b", "8", "-j", "2", "--test-only", "--train-crop-size", "176"])
     assert (args.weight_decay, args.batch_size, args.workers, args.eval_only, args.img_size) == \
@@ -204,15 +205,39 @@ def test_a_continued_run_refuses_another_optimizer_order_or_decay_groups():
                        "--opt adamw (the run had sgd)", "--ra-reps 4 (the run had 3)",
                        "--ra-sampler (the run had --no-ra-sampler)"]
     assert applied == ["--mixup-alpha 0.2 (the run had 0.0)",  # and, as --opt asks:
-                       "--no-scale-lr (the run had --scale-lr)",  # torchvision's lr, its sizes
-                       "--val-crop-size 224 (the run had no --val-crop-size)",
-                       "--val-resize-size 256 (the run had no --val-resize-size)"]
+                       "--no-scale-lr (the run had --scale-lr)"]  # torchvision's lr
     assert changed_flags(saved, parse("--norm-weight-decay", "0.01")) == (
         [], ["--norm-weight-decay 0.01 (the run had 0.0)"])
     # A run saved before these flags existed trained with SGD and no groups.
-    before = {k: v for k, v in saved.items() if k not in ("opt", "norm_weight_decay")}
+    before = {k: v for k, v in saved.items() if k not in BEFORE_RECIPES}
     assert changed_flags(before, parse("--opt", "adamw", "--scale-lr"))[0] == [
         "--opt adamw (the run had sgd)"]
+    assert changed_flags(before, parse("--norm-weight-decay", "0"))[0] == [
+        "--norm-weight-decay 0.0 (the run had no --norm-weight-decay)"]
+    assert changed_flags(before, parse("--mixup-alpha", "0.2")) == (
+        [], ["--mixup-alpha 0.2 (the run had 0.0)"])
+    assert changed_flags(before, parse()) == ([], [])  # its own command: nothing changed
+
+
+def test_a_continued_or_evaluated_run_keeps_its_validation_sizes(tmp_path):
+    """The sizes and interpolation the run validated with are its defaults, also under
+    torchvision's flags, whose 256/224 only a new run takes; predict.py uses them too."""
+    path = tmp_path / "checkpoint.pth"
+    recorded = {"model": "resnet18", "img_size": 32, "val_resize_size": 40, "val_crop_size": 36,
+                "interpolation": "bicubic"}
+    torch.manual_seed(0)
+    torch.save({"model": torchvision.models.resnet18(num_classes=3).state_dict(),
+                "args": recorded, "classes": ["a", "b", "c"]}, path)
+    for argv in ([], ["--eval-only"], ["--opt", "sgd", "--lr-scheduler", "cosineannealinglr"]):
+        args = get_args_parser().parse_args(argv)
+        args = recorded_defaults(args, str(path), {**RUN_DEFAULTS, **resolve_recipe(args)})
+        assert {k: getattr(args, k) for k in recorded} == recorded, argv
+    args = get_args_parser().parse_args(["--opt", "sgd"])  # a new run: torchvision's sizes
+    args = recorded_defaults(args, None, {**RUN_DEFAULTS, **resolve_recipe(args)})
+    assert (args.val_resize_size, args.val_crop_size, args.interpolation) == (256, 224, "bilinear")
+    preprocess = load_predictor(path)[2]
+    assert (preprocess.transforms[0].size, preprocess.transforms[1].size) == ([40], (36, 36))
+    assert preprocess.transforms[0].interpolation == v2.InterpolationMode.BICUBIC
 
 
 def test_label_smoothing_is_cross_entropys_in_the_training_loss():
@@ -250,7 +275,11 @@ def test_batch_mix_is_torchvisions_mixup_or_cutmix_drawn_from_seed_epoch_batch()
     unreadable[2] = -100  # a black image: its share of a target is dropped, no host sync
     mixed = mix(images, unreadable, 0, 0)[1]
     assert torch.equal(mixed[[0, 1, 4, 5, 6, 7]], outputs[0][[0, 1, 4, 5, 6, 7]])
-    assert torch.equal(mixed[2:4].sum(1), outputs[0][2:4].sum(1) - outputs[0][2:4, 2])
+    assert torch.allclose(mixed[2:4].sum(1), 1 - outputs[0][2:4, 2])
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 5))  # the first batch: no error
+    loss = train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           [(images, unreadable)], torch.device("cpu"), 0, mix=mix)
+    assert math.isfinite(loss)
     assert BatchMix.create(parse(), 5) is None
 
 
@@ -437,7 +466,7 @@ def test_every_command_of_recipes_md_parses_and_builds_its_model_here():
     text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
     commands = re.findall(r"^\$L (.*?)(?<!\\)$", text.replace("\\\n", " "), re.M)
     assert len(commands) == 4, commands
-    for command in commands:
-        args = parse(*shlex.split(command))
-        check_model(args.model, args.img_size or 224, args.weights)
+    for command in commands:  # check_args builds the model at both crop sizes
+        args, defaults = check_args(get_args_parser().parse_args(shlex.split(command)), 8)
         assert not args.scale_lr and args.opt in ("sgd", "rmsprop", "adamw")
+        assert defaults["val_crop_size"] == 224
