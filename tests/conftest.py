@@ -161,9 +161,9 @@ def tiny_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference_run(tiny_data, tmp_path_factory, plain) -> SimpleNamespace:
-    """An uninterrupted 3-epoch torchrun run (2 processes, --workers 0): the reference."""
+    """An uninterrupted 3-epoch run of 2 processes (--workers 0): the reference."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    res = torchrun(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS)))
+    res = ranks(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS)))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return SimpleNamespace(out=out, result=res, epochs=REFERENCE_EPOCHS)
 
@@ -364,6 +364,38 @@ def torchrun(plain: PlainPython, nproc: int, *argv: str, **kwargs) -> subprocess
     """``python -m torch.distributed.run --standalone --nproc_per_node=NPROC ARGV``, by ``plain``
     (``kwargs``: its timeout and environment)."""
     return plain(["--standalone", f"--nproc_per_node={nproc}", *argv], patch=TORCHRUN, **kwargs)
+
+
+def ranks(plain: PlainPython, nproc: int, script: str, *argv: str, timeout: float = 240,
+          **env: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGV`` as ``nproc`` ranks forked by ``plain``, with the variables torchrun
+    sets: a job of several processes without torchrun, whose ranks import nothing (4 s each),
+    for the runs that are not about torchrun. A rank that fails has the others killed after
+    30 s (no launcher does it here). Output: every rank's, rank 0's first."""
+    plain.count += 1
+    env = dict(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), **env)
+    files = [[plain.workdir / f"run{plain.count}.rank{r}.{n}" for n in ("stdout", "stderr")]
+             for r in range(nproc)]
+    procs = [plain.start(list(argv), patch=launcher(script), stdout=out, stderr=err,
+                         RANK=str(r), LOCAL_RANK=str(r), **env)
+             for r, (out, err) in enumerate(files)]
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + 30):
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+            for p in procs:
+                p.wait(60)
+            break
+        time.sleep(0.1)
+    codes = [p.returncode for p in procs]
+    return subprocess.CompletedProcess([script, *argv], next((c for c in codes if c), 0),
+                                       *("".join(f.read_text(errors="replace") for f in kind)
+                                         for kind in zip(*files)))
 
 
 # ---------------------------------------------------------------- process trees

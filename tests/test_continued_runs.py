@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (LAUNCH, ROOT, TINY_FLAGS, assert_user_error, clone_run, flags, load_ckpt,
-                      read_metrics, torchrun)
+                      ranks, read_metrics)
 from multi_train_utils.checkpoint import NOT_COMPARED, changed_flags
 from train_multi_gpu_using_launch import get_args_parser
 
@@ -140,8 +140,8 @@ def test_resume_through_a_link_to_the_runs_own_folder_continues_it(reference_run
 def test_fsdp_without_validation_images_ends_well_and_exports_the_last_weights(tiny_data,
                                                                                tmp_path, plain):
     out = tmp_path / "run"
-    res = torchrun(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "1", "--val-rate", "0",
-                                            "--strategy", "fsdp"))
+    res = ranks(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "1", "--val-rate", "0",
+                                         "--strategy", "fsdp"))
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "no validation images, so no best model" in res.stderr
     assert not (out / "model_best.pth").exists()

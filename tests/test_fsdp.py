@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from conftest import (LAUNCH, ProcessTree, assert_same_tensors, assert_user_error,
-                      clone_run, flags, launcher, load_ckpt, make_stopper, read_metrics, torchrun,
+                      clone_run, flags, launcher, load_ckpt, make_stopper, ranks, read_metrics,
                       torchrun_cmd)
 from benchmarks.fsdp import local_bytes
 from dist_helpers import run_ranks
@@ -443,8 +443,8 @@ def test_ddp_and_fsdp_checkpoints_continue_under_the_other_strategy(
     runs = {}
     for strategy, source in (("fsdp", reference_run.out), ("ddp", restarted_fsdp_run)):
         out = runs[strategy] = clone_run(source, tmp_path / strategy)
-        res = torchrun(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "4",
-                                                "--strategy", strategy))
+        res = ranks(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "4",
+                                             "--strategy", strategy))
         assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert_close_runs(runs["fsdp"], runs["ddp"], range(4))
 

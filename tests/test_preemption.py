@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from conftest import (LAUNCH, REFERENCE_EPOCHS, STOPPER, assert_same_run, clone_run, flags,
-                      load_ckpt, make_stopper, read_metrics, torchrun, torchrun_cmd)
+                      load_ckpt, make_stopper, ranks, read_metrics, torchrun, torchrun_cmd)
 from dist_helpers import run_ranks
 from multi_train_utils.guard import stop_requests
 from multi_train_utils.train_eval_utils import ResumableSampler
@@ -175,7 +175,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_saves_it(sto
 def test_the_same_command_continues_at_that_batch_to_the_uninterrupted_weights(
         stopped_by_rank1, reference_run, tmp_path, plain):
     out = clone_run(stopped_by_rank1.out, tmp_path / "run", full=True)
-    res = torchrun(plain, 2, LAUNCH, *flags_for(stopped_by_rank1.argv, out))
+    res = ranks(plain, 2, LAUNCH, *flags_for(stopped_by_rank1.argv, out))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert f"resuming from epoch 1, step 3 of {STEPS_PER_EPOCH}\n" in res.stderr
     assert "listed it: not listed again" in res.stderr  # the stored file list, not a new scan
@@ -238,8 +238,8 @@ def flags_for(argv: list[str], out) -> list[str]:
 @pytest.fixture(scope="module")
 def accumulation_reference(tiny_data, tmp_path_factory, plain):
     out = tmp_path_factory.mktemp("accum") / "reference"
-    res = torchrun(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "2",
-                                            "--grad-accum-steps", "2"))
+    res = ranks(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", "2",
+                                         "--grad-accum-steps", "2"))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return out
 
@@ -266,7 +266,7 @@ def test_sigterm_to_torchrun_stops_every_process_between_groups_and_continues_ex
     ckpt = load_ckpt(out / "checkpoint.pth")
     assert ckpt["epoch"] == 1 and ckpt["in_epoch"]["batches"] in (2, 4), ckpt["in_epoch"]
     assert ckpt["in_epoch"]["batches_in_epoch"] == 5 and len(read_metrics(out)) == 1
-    res = torchrun(plain, 2, LAUNCH, *argv)
+    res = ranks(plain, 2, LAUNCH, *argv)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert "resuming from epoch 1, step " in res.stderr
     assert_same_run(out, accumulation_reference)

@@ -11,9 +11,7 @@ import itertools
 import math
 import re
 import shlex
-import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from torch import nn
 from torchvision.transforms import v2
 
 from conftest import (LAUNCH, ROOT, assert_same_run, assert_same_tensors, assert_user_error, flags,
-                      free_port, load_ckpt, make_stopper, read_metrics)
+                      load_ckpt, make_stopper, ranks, read_metrics)
 from multi_train_utils.checkpoint import (BEFORE_RECIPES, changed_flags, recorded_defaults,
                                           restore, whole_state)
 from multi_train_utils.guard import ConfigError
@@ -392,19 +390,15 @@ RESNET50_V2 = ["--lr", "0.05", "--lr-scheduler", "cosineannealinglr", "--lr-warm
 
 
 def test_mobilenet_under_the_resnet50_v2_recipe_stopped_ends_bitwise_as_never_stopped(
-        tiny_data, tmp_path, launched):
+        tiny_data, tmp_path, plain):
     """mobilenet_v3_small (dropout, BatchNorm) by name, 2 processes, every recipe piece on: a run
     stopped in the epoch after warmup and continued by the same command ends with the weights,
     momentum and EMA (n_averaged too) of the run never stopped. The exported weights, the
     EMA's too, load into torchvision's own model."""
-    def launch(out, **stop):  # two ranks started by hand (forked: no import of torch each)
+    def launch(out, **stop):  # the stopper runs the script after it
         argv = flags(tiny_data, out, "--model", "mobilenet_v3_small", *RESNET50_V2)
-        script = [make_stopper(tmp_path)] if stop else []  # it runs the script after it
-        env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **stop)
-        ranks = [launched([sys.executable, *script, LAUNCH, *argv], RANK=str(r),
-                          LOCAL_RANK=str(r), **env) for r in range(2)]
-        codes = [rank.wait_exit(240) for rank in ranks]
-        return SimpleNamespace(returncode=max(codes), stderr=ranks[0].output())
+        return ranks(plain, 2, *([make_stopper(tmp_path)] if stop else []), LAUNCH, *argv,
+                     **stop)
 
     reference = launch(tmp_path / "ref")
     assert reference.returncode == 0, reference.stderr[-3000:]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from conftest import (LAUNCH, ROOT, STOPPER, assert_same_tensors, flags, load_ckpt, read_metrics,
-                      torchrun)
+                      ranks)
 from predict import format_prediction, load_predictor, predict
 from multi_train_utils.train_eval_utils import EpochProgress
 from utils import (SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val,
@@ -72,7 +72,7 @@ def test_a_stopped_epoch_ends_over_its_own_images_and_new_ones_join_the_next(tin
     after = train_list(data)
     added = set(after) - set(before)
     assert len(added) > 5 and set(before) - set(after) == {bad}
-    res = torchrun(plain, 2, str(recorder(tmp_path)), LAUNCH, *argv, SAMPLER_LOG=f"{log}-")
+    res = ranks(plain, 2, str(recorder(tmp_path)), LAUNCH, *argv, SAMPLER_LOG=f"{log}-")
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert "resuming from epoch 0, step 3 of 11 of 1 processes" in res.stderr
     assert (f"{len(added)} images added since the stop: they join at epoch 1; 1 gone (removed "
