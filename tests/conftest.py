@@ -163,6 +163,10 @@ def tiny_data(tmp_path_factory) -> Path:
 def reference_run(tiny_data, tmp_path_factory, plain) -> SimpleNamespace:
     """An uninterrupted 3-epoch run of 2 processes (--workers 0): the reference."""
     out = tmp_path_factory.mktemp("reference") / "run"
+    # The stored file list trusts no folder changed in the last 2 s (utils._times): let the
+    # data just made age as real data has, so later runs may reuse the list this run stores.
+    newest = max(p.stat().st_ctime for p in [tiny_data, *tiny_data.iterdir()])
+    time.sleep(max(0.0, newest + 2.1 - time.time()))
     res = ranks(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS)))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return SimpleNamespace(out=out, result=res, epochs=REFERENCE_EPOCHS)
