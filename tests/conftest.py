@@ -375,7 +375,8 @@ def ranks(plain: PlainPython, nproc: int, script: str, *argv: str, timeout: floa
     """``python SCRIPT ARGV`` as ``nproc`` ranks forked by ``plain``, with the variables torchrun
     sets: a job of several processes without torchrun, whose ranks import nothing (4 s each),
     for the runs that are not about torchrun. A rank that fails has the others killed after
-    30 s (no launcher does it here). Output: every rank's, rank 0's first."""
+    30 s (no launcher does it here). Output: every rank's, rank 0's first; ``codes``: each
+    rank's exit status."""
     plain.count += 1
     env = dict(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), **env)
@@ -396,10 +397,12 @@ def ranks(plain: PlainPython, nproc: int, script: str, *argv: str, timeout: floa
                 p.wait(60)
             break
         time.sleep(0.1)
-    codes = [p.returncode for p in procs]
-    return subprocess.CompletedProcess([script, *argv], next((c for c in codes if c), 0),
-                                       *("".join(f.read_text(errors="replace") for f in kind)
-                                         for kind in zip(*files)))
+    res = subprocess.CompletedProcess([script, *argv], next((p.returncode for p in procs
+                                                             if p.returncode), 0),
+                                      *("".join(f.read_text(errors="replace") for f in kind)
+                                        for kind in zip(*files)))
+    res.codes = [p.returncode for p in procs]
+    return res
 
 
 # ---------------------------------------------------------------- process trees

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, assert_same_tensors, child_env, clone_run, flags, load_ckpt,
-                      make_stopper, read_metrics, run, torchrun)
+                      make_stopper, ranks, read_metrics, run, torchrun)
 
 EXAMPLE, LAUNCH_PY = "example_own_project.py", "train_multi_gpu_using_launch.py"
 EXAMPLE_EPOCHS = ["--device", "cpu", "--epochs", "3"]
@@ -76,7 +76,7 @@ def test_example_stops_on_sigterm_saves_and_the_rerun_ends_as_if_never_stopped(e
     step = ckpt["in_epoch"]["batches"]
     assert ckpt["epoch"] == 1 and 8 <= step < STEPS_PER_EPOCH, ckpt["in_epoch"]
     assert re.search(rf"stopping after step {step} of {STEPS_PER_EPOCH}", res.stderr)
-    res = torchrun(plain, 2, *argv)
+    res = ranks(plain, 2, *argv)  # the same command, its ranks forked
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"continuing at epoch 1, step {step}" in res.stdout
     assert list(epoch_lines(res.stdout)) == [1, 2]
