@@ -21,14 +21,16 @@ from typing import Any
 import torch.distributed as dist
 
 SLOW_PHASES = ("starting", "evaluating", "saving")  # a step: "loading data", forward, backward
-OWN_PHASES = ("loading data", "forward")  # no wait for the other ranks (but SyncBatchNorm's)
+# Where no rank waits for another: a forward can (DDP broadcasts BatchNorm's buffers at its
+# start, SyncBatchNorm gathers), so a fast rank's wait there would count as its own work.
+OWN_PHASES = ("loading data",)
 STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its host is gone)
 
 
 class Heartbeat:
     def __init__(self) -> None:
         self._stop = threading.Event()
-        self.stop()  # self.own: seconds in OWN_PHASES since a log line read it
+        self.stop()
 
     def start(self, rank: int, world_size: int, limits: tuple[float, float]) -> None:
         """``limits``: seconds a collective waits after a slow phase, and else."""
@@ -44,7 +46,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        self.store, self.place, self.own = None, {}, 0.0
+        self.store, self.place, self.own, self.read = None, {}, 0.0, time.monotonic()
 
     def at(self, phase: str, **where: Any) -> None:
         """This rank is in ``phase`` now, at ``where`` (epoch, step, steps)."""
@@ -52,12 +54,22 @@ class Heartbeat:
             return
         now, before = time.monotonic(), self.place
         self.own += now - before["since"] if before.get("phase") in OWN_PHASES else 0.0
+        if before.get("phase") in SLOW_PHASES and phase not in SLOW_PHASES:
+            self.own, self.read = 0.0, now  # the steps that follow are measured afresh
         self.place = {**before, **where, "phase": phase, "since": now, "wall": time.time()}
-        if phase in SLOW_PHASES or phase == "forward" and self._fast_in:
-            # The second forward after a slow phase: all ranks met since, short again.
+        # Short again at the forward after the first gradient all-reduce ("backward"; a
+        # micro-batch of --grad-accum-steps reduces nothing) since a slow phase: all ranks met.
+        met = phase == ("backward" if self._fast_in == 2 else "forward")
+        if phase in SLOW_PHASES or self._fast_in and met:
             self._fast_in = 2 if phase in SLOW_PHASES else self._fast_in - 1
             self.limit = self.limits[self._fast_in == 0]
             dist.set_timeout(datetime.timedelta(seconds=self.limit))
+
+    def own_work(self) -> tuple[float, float]:
+        """Seconds in OWN_PHASES, and seconds in all, since the last call."""
+        now, own = time.monotonic(), self.own
+        self.own, seconds, self.read = 0.0, now - self.read, now
+        return own, seconds
 
     def _beat(self, store: Any, stopped: threading.Event) -> None:
         mine, seen = {"host": socket.gethostname(), "pid": os.getpid(), "node": self.node}, None
@@ -101,15 +113,16 @@ def _where(place: dict[str, Any]) -> str:
     return f"epoch {place['epoch']}, step {place['step']} of {place['steps']} ({place['phase']})"
 
 
-def slowest(work: list[float]) -> str:
+def slowest(work: list[float], seconds: float) -> str:
     """``rank R is the slowest: ...`` when one rank's own work (seconds per rank, over the same
-    steps) is clearly longer than the other ranks' median: every step waits for it."""
+    ``seconds`` of steps) is clearly longer than the other ranks' median: every step waits for
+    it, long enough to matter (a tenth of the time: a step's own noise is not named)."""
     rank = max(range(len(work)), key=work.__getitem__)
     median = statistics.median(work[:rank] + work[rank + 1:] or [work[rank]])
-    if work[rank] <= 2 * median:  # a shared machine's noise reaches 1.6x
+    if work[rank] <= 2 * median or work[rank] - median < seconds / 10:  # noise reaches 1.6x
         return ""
     return (f"rank {rank} is the slowest: {work[rank] / max(median, 1e-9):.1f}x the median "
-            "rank's own work (loading data, forward), which every step waits for")
+            "rank's own work (loading its batches), which every step waits for")
 
 
 HEARTBEAT = Heartbeat()

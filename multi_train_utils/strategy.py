@@ -83,7 +83,8 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
     class is in ``units`` (a class or its name; default: :func:`fsdp_units`) is one unit,
     all-gathered alone; the root holds the rest (stem, classifier). Ranks but 0 may build ``model``
     on the meta device: rank 0's real model (seed, init, ``--weights``) fills every rank's shards
-    one tensor at a time, so it must fit in rank 0's host memory, not in one device.
+    one tensor at a time, so it must fit in rank 0's host memory, not in one device; every rank
+    then takes rank 0's CPU random state, as after building the model itself.
 
     ``mixed_precision`` (``--amp``): parameters gathered and computed in that dtype, gradients
     reduced in float32; BatchNorm keeps float32 weights (its kernels need them), a unit apiece."""
@@ -123,6 +124,11 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
         model.to_empty(device=device)  # this rank's shards, uninitialised until filled below
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
                                                                 broadcast_from_rank0=True))
+    # Rank 0's random state too: a build on the meta device draws no random numbers, so dropout
+    # would draw other masks there than after the same build on every rank (DDP).
+    rng = torch.get_rng_state().to(device)  # NCCL sends device tensors
+    dist.broadcast(rng, src=0)
+    torch.set_rng_state(rng.cpu())
     model.register_forward_pre_hook(_share_buffers_for_eval)
     return model
 

@@ -277,7 +277,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             # Mean over the micro-batches of this step; the epoch's last group may be shorter
             # than K, and a fixed / K would shrink its step.
             scaled = loss / min(grad_accum_steps, steps - (step - step % grad_accum_steps))
-            HEARTBEAT.at("backward")
+            HEARTBEAT.at("backward" if last_micro else "accumulating")
             scaler.scale(scaled).backward()
         totals += torch.stack([loss.detach().double() * n_valid, n_valid.double()])
         if last_micro:
@@ -307,16 +307,16 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
 
 def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> tuple[float, str]:
     """The mean loss over every rank's samples so far (a non-finite one raises on every rank),
-    and in the same all-reduce each rank's own work (loading, forward): the slowest, named."""
+    and in the same all-reduce each rank's own work (loading its batches): the slowest, named."""
     work = totals.new_zeros(get_world_size())  # float64, beside the totals
-    work[get_rank()], HEARTBEAT.own = HEARTBEAT.own, 0.0
+    work[get_rank()], seconds = HEARTBEAT.own_work()
     loss_sum, count, *work = reduce_value(torch.cat([totals, work]), average=False).tolist()
     mean_loss = loss_sum / count if count else float("nan")
     if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
         raise FloatingPointError(
             f"loss is {mean_loss} at epoch {epoch} step {step} (checked every {print_freq} "
             "steps); lower the learning rate (--lr) or check the data.")
-    return mean_loss, slowest(work)
+    return mean_loss, slowest(work, seconds)
 
 
 def _forward(model: nn.Module, images: torch.Tensor) -> Any:

@@ -120,6 +120,30 @@ def test_fsdp_takes_the_steps_ddp_takes(sync_bn, accum, clip, init_weights, tmp_
     assert ranks[1]["fsdp"]["model"] == {}  # gathered to rank 0 alone
 
 
+def _dropout_worker(rank: int, world: int) -> dict:
+    """squeezenet1_1 (dropout before its classifier) built as the launcher builds it: on the
+    meta device on ranks but 0 under fsdp; two steps, then rank 0's weights."""
+    got = {}
+    for strategy in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        with torch.device("meta" if strategy == "fsdp" and rank > 0 else "cpu"):
+            bare = get_model("squeezenet1_1", num_classes=CLASSES)
+        model = shard_model(bare, CPU) if strategy == "fsdp" else DDP(bare)
+        optimizer = torch.optim.SGD(bare.parameters(), lr=0.05, momentum=0.9)
+        data = _data(world * BATCH * 2)
+        losses = [train_one_epoch(model, optimizer, _loader(data, rank, world), CPU, 0)]
+        got[strategy] = dict(losses=losses, model=whole_state(bare)[0])
+    return got
+
+
+def test_fsdp_draws_the_dropout_masks_ddp_draws(tmp_path):
+    """Rank 1 built on the meta device takes rank 0's random state, as its own build would have
+    left it: the same losses and weights as DDP for a model with dropout."""
+    for got in run_ranks(_dropout_worker, 2, tmp_path):
+        torch.testing.assert_close(got["fsdp"]["losses"], got["ddp"]["losses"])
+        torch.testing.assert_close(got["fsdp"]["model"], got["ddp"]["model"])
+
+
 # ---------------------------------------------------------------- memory, sync, amp
 def _memory_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)

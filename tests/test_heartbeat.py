@@ -8,12 +8,11 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 
 import torch.distributed as dist
 from conftest import (LAUNCH, REFERENCE_EPOCHS, assert_same_run, error_lines, flags,
-                      make_stopper, proc_env, torchrun_cmd)
+                      make_stopper, proc_env, ranks, torchrun_cmd)
 
 from multi_train_utils.heartbeat import Heartbeat, slowest
 
@@ -74,37 +73,33 @@ def test_a_frozen_rank_is_named_and_the_restarted_group_continues_mid_epoch(
     assert_same_run(out, reference_run.out)
 
 
-def test_a_rank_slowed_down_is_named_as_the_slowest(tiny_data, tmp_path, launched):
-    """Rank 1 stopped 3/4 of every 80 ms: rank 0's log lines name it, never rank 0 (without
-    SyncBatchNorm, whose forward waits for the other ranks)."""
-    out = tmp_path / "run"
-    tree = launched(torchrun_cmd(2, LAUNCH, *flags(tiny_data, out, "--epochs", "1",
-                                                   "--print-freq", "1", "--no-sync-bn")))
-    slow = _rank_pid(tree, 1)
-    tree.wait_for(lambda: "[train epoch 0] step 1/" in tree.output(), "the first step")
-    done = threading.Event()
+# Rank 1's loader worker takes 60 ms more per image: its data arrives late, every step.
+SLOW_LOADER = r"""
+import os, time
+import my_dataset
+_read = my_dataset.MyDataSet.__getitem__
 
-    def duty_cycle() -> None:
-        try:
-            while not done.is_set():
-                os.kill(slow, signal.SIGSTOP)
-                time.sleep(0.06)
-                os.kill(slow, signal.SIGCONT)
-                time.sleep(0.02)
-        except ProcessLookupError:  # it has finished
-            pass
+def _slow_read(self, index):
+    if os.environ.get("RANK") == "1":
+        time.sleep(0.06)
+    return _read(self, index)
 
-    thread = threading.Thread(target=duty_cycle, daemon=True)
-    thread.start()
-    try:
-        code = tree.wait_exit(240)
-    finally:
-        done.set()
-        thread.join()
-    output = tree.output()
-    assert code == 0, output[-4000:]
-    named = re.findall(r"rank (\d) is the slowest: ([\d.]+)x", output)
-    assert named and {rank for rank, _ in named} == {"1"}, output[-4000:]
+my_dataset.MyDataSet.__getitem__ = _slow_read
+"""
+
+
+def test_a_rank_with_a_slow_loader_is_named_in_a_batchnorm_model(tiny_data, tmp_path, plain):
+    """resnet18: DDP broadcasts its BatchNorm buffers at the start of each forward, where the
+    fast rank waits for the slow one (with SyncBatchNorm, at every layer too). Rank 1's loader
+    slowed: it is named, with and without SyncBatchNorm, and rank 0 never."""
+    slow_loader = make_stopper(tmp_path, SLOW_LOADER, "slow_loader.py")
+    for sync_bn in ("--sync-bn", "--no-sync-bn"):
+        argv = flags(tiny_data, tmp_path / sync_bn, "--epochs", "1", "--print-freq", "2",
+                     sync_bn, workers=1)
+        res = ranks(plain, 2, slow_loader, LAUNCH, *argv)
+        assert res.returncode == 0, res.stderr[-4000:]
+        named = re.findall(r"rank (\d) is the slowest: ([\d.]+)x", res.stdout + res.stderr)
+        assert named and {rank for rank, _ in named} == {"1"}, (res.stdout + res.stderr)[-4000:]
 
 
 class FakeStore(dict):
@@ -134,6 +129,15 @@ def test_the_ranks_named_the_time_limits_and_the_slowest(monkeypatch):
             beat.at(phase, epoch=0, step=3, steps=10)
         assert limits == [600, 600, 120]  # start-up, its next step, then the short limit
         beat.at("saving")
+        for phase in ("loading data", "forward", "accumulating", "loading data", "forward"):
+            beat.at(phase, step=4)  # --grad-accum-steps 2: no rank met the others yet
+            assert beat.limit == 600, phase
+        beat.at("backward")  # the first all-reduce of gradients since the save
+        beat.at("loading data")
+        assert beat.limit == 600
+        beat.at("forward")
+        assert limits[-1] == beat.limit == 120
+        beat.at("saving")
         assert limits[-1] == 600
         now, here = time.time(), {"epoch": 0, "step": 3, "steps": 10, "phase": "saving"}
         peers = {1: dict(here, phase="forward", beat=now - 21, wall=now - 21),
@@ -150,5 +154,6 @@ def test_the_ranks_named_the_time_limits_and_the_slowest(monkeypatch):
         assert beat.store.timeout == datetime.timedelta(seconds=600)  # given back
     finally:
         beat.stop()
-    assert slowest([1.0, 1.1, 3.3, 0.9]).startswith("rank 2 is the slowest: 3.3x the median")
-    assert slowest([1.0, 1.9]) == "" and slowest([0.0]) == ""
+    assert slowest([1.0, 1.1, 3.3, 0.9], 10).startswith("rank 2 is the slowest: 3.3x the median")
+    assert slowest([1.0, 1.9], 10) == "" and slowest([0.0], 10) == ""
+    assert slowest([0.01, 0.04], 1) == ""  # 4x, but 30 ms of a second: a step's noise

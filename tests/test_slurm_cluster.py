@@ -127,3 +127,24 @@ def test_the_warning_signal_saves_mid_epoch_and_the_requeued_job_continues(sbatc
     bad_job, bad_text = job(bad), bad_log.read_text(errors="replace")
     assert (bad_job["JobState"], bad_job["Restarts"]) == ("FAILED", "0"), bad_text[-2000:]
     assert "error: argument --epochs" in bad_text and "requeueing" not in bad_text
+
+
+STUB = {"srun": 'kill -USR1 $PPID; sleep 0.5; exit "$TRAIN_EXIT"',  # the warning, mid-run
+        "scancel": 'echo "scancel $*" >> "$CALLS"', "scontrol": 'echo "scontrol $*" >> "$CALLS"'}
+
+
+@pytest.mark.parametrize("code, requeued", [(0, False), (143, True)], ids=["done", "stopped"])
+def test_the_script_requeues_only_a_job_the_warning_stopped(code, requeued, tmp_path):
+    """No cluster: srun, scancel and scontrol stubbed. The warning (SIGUSR1) comes while srun
+    runs; training that then ends with exit 0 finished, and its job is not requeued."""
+    for name, body in STUB.items():
+        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**child_env(), "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "CALLS": str(calls), "TRAIN_EXIT": str(code)}
+    res = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == code, res.stdout + res.stderr
+    assert calls.read_text().splitlines() == ["scancel --signal=TERM 7",
+                                              *["scontrol requeue 7"] * requeued]
