@@ -79,8 +79,13 @@ class BatchAugment:
             flip = bool(torch.rand(1) < second.p)  # v2 keeps the image if rand(1) >= p
             return sample._replace(plan=Plan(box, first.size, (0, 0, *first.size), flip))
         (h, w), (crop_h, crop_w) = first(shape).shape[1:], second.size  # v2's resize rule
-        window = (round((h - crop_h) / 2), round((w - crop_w) / 2), crop_h, crop_w)
+        window = (_centre(h, crop_h), _centre(w, crop_w), crop_h, crop_w)
         return sample._replace(plan=Plan((0, 0, height, width), (h, w), window, False))
+
+
+def _centre(size: int, crop: int) -> int:
+    """Where ``v2.CenterCrop``'s window starts; before the image in the zeros v2 pads it with."""
+    return round((size - crop) / 2) if crop <= size else -((crop - size) // 2)
 
 
 class JpegBatch(NamedTuple):
@@ -131,11 +136,12 @@ def _decode_on_cpu(data: torch.Tensor, source: tuple, device: torch.device) -> t
 
 def _augment(image: torch.Tensor, plan: Plan) -> torch.Tensor:
     """``uint8 (3, H, W)`` -> ``(3, h, w)``: the plan's crop, resize, window and flip, with v2's
-    kernels: uint8 on the CPU (the very pixels of ``--decode workers``), else float."""
+    kernels: uint8 on the CPU (the very pixels of ``--decode workers``), else float. A window
+    past the resized image's edge is padded with zeros, as ``v2.CenterCrop`` pads."""
     top, left, height, width = plan.box
     x = image[None, :, top:top + height, left:left + width]
     x = F.interpolate(x if x.is_cpu else x.float(), size=plan.size, mode="bilinear",
                       antialias=True, align_corners=False)
-    top, left, height, width = plan.window
-    x = x[0, :, top:top + height, left:left + width]
+    (top, left, height, width), (h, w) = plan.window, plan.size
+    x = F.pad(x[0], (-left, left + width - w, -top, top + height - h))  # < 0 crops, > 0 pads
     return x.flip(-1) if plan.flip else x

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +29,7 @@ from torchvision.transforms import v2
 
 from multi_train_utils.distributed_utils import is_main_process, run_on_main
 from multi_train_utils.guard import ConfigError, UserError
-from multi_train_utils.train_eval_utils import IMAGENET_MEAN, EpochProgress
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, EpochProgress
 from device_decode import BatchAugment
 from my_dataset import MyDataSet, check_image, printable_path
 
@@ -375,7 +375,7 @@ def get_transforms(img_size: int, decode: str = "workers", *, auto_augment: str 
     return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
 
 
-# ---------------------------------------------------------------- plots (files only: no pyplot)
+# ------------------------------------------------------------ plots (files: pyplot only to show)
 def tick_label(name: str, width: int = 24) -> str:
     """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
     name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
@@ -423,6 +423,33 @@ def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
         fig.tight_layout()
         fig.savefig(path)
     return Path(path)
+
+
+def plot_data_loader_image(data_loader: Iterable, classes: Sequence[str] | None = None,
+                           path: str | os.PathLike | None = None, count: int = 4) -> Any:
+    """The classic tutorial's look at a loader: the first ``count`` images of its first batch
+    (``uint8``, or normalised with ``IMAGENET_MEAN``/``STD``: undone), named by ``classes``
+    (default: ``class_indices.json`` here, as :func:`read_split_data` writes it). Saved to
+    ``path``, else shown by pyplot (a window where there is a screen). Returns the figure."""
+    import matplotlib.pyplot as plt  # an optional extra, imported for a plot
+    if classes is None and os.path.isfile("class_indices.json"):
+        classes = list(json.loads(Path("class_indices.json").read_text("utf-8")).values())
+    batch = next(iter(data_loader))  # --decode device: decoded here, on the CPU
+    images, labels = batch.to_device(torch.device("cpu")) if hasattr(batch, "to_device") else batch
+    if images.is_floating_point():
+        mean, std = (torch.tensor(v).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        images = (images[:count] * std + mean).mul(255).round().clamp(0, 255).to(torch.uint8)
+    fig, axes = plt.subplots(1, min(count, len(images)), squeeze=False, figsize=(2.5 * count, 3))
+    for ax, image, label in zip(axes.flat, images, labels.tolist()):
+        ax.imshow(image.permute(1, 2, 0).numpy())  # -100: an unreadable file (IGNORE_INDEX)
+        name = classes[label] if classes and 0 <= label < len(classes) else str(label)
+        ax.set(xticks=[], yticks=[], xlabel=tick_label(name))
+    if path is None:
+        plt.show()
+    else:
+        fig.savefig(path)
+        plt.close(fig)  # pyplot keeps each figure until closed
+    return fig
 
 
 def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.Dataset) -> Any:
@@ -620,14 +647,29 @@ def user_cache_dir(instead: str) -> Path:
 def imagenet_layout(args: argparse.Namespace) -> None:
     """A ``--data-path D`` in torchvision's (ImageNet's) layout, ``D/train/<class>/`` and
     ``D/val/<class>/``, is read as ``--data-path D/train --val-path D/val`` (``--eval-only``:
-    ``--val-path D/val`` alone, so the training images are not listed), and said so."""
+    ``--val-path D/val`` alone, so the training images are not listed), and said so. Refused: a
+    ``val/`` with images outside class folders (ILSVRC2012's ships flat), or with other classes
+    than ``train/`` (a copy or sort left half done), which ``ImageFolder`` would label apart."""
     root = Path(args.data_path or "")
-    if not args.data_path or args.val_path or not all(
-            (root / part).is_dir() and any(p.is_dir() for p in (root / part).iterdir())
-            for part in ("train", "val")):
+    train, val = root / "train", root / "val"
+    if not args.data_path or args.val_path or not (train.is_dir() and val.is_dir()):
         return
-    args.data_path = None if args.eval_only else str(root / "train")
-    args.val_path = str(root / "val")
+    classes, (val_classes, loose) = _class_folders(str(train), {})[0], _class_folders(str(val), {})
+    if not classes:  # train/ holds images itself: D's classes are "train" and "val"
+        return
+    images = sum(path.lower().endswith(IMG_EXTENSIONS) for path, _ in loose)
+    if images or not val_classes:
+        what = f"{images} image(s) outside its class folders" if val_classes else "no class folders"
+        raise DataError(f"{val} holds {what} (ILSVRC2012's validation images come in one folder, "
+                        "their labels in a separate file); sort them into a folder per class as "
+                        f"in {train}, or train on --data-path {train} alone, which holds out "
+                        "--val-rate of it.")
+    if differ := sorted(set(classes) ^ set(val_classes)):
+        raise DataError(f"{train} and {val} have different class folders ({', '.join(differ[:5])}"
+                        " in one only); give both the same classes (or, to validate on some, "
+                        f"--data-path {train} --val-path {val}).")
+    args.data_path = None if args.eval_only else str(train)
+    args.val_path = str(val)
     log.info("%s holds train/ and val/: training on %s, validating on %s", root,
              args.data_path or "none", args.val_path)
 

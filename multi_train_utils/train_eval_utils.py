@@ -182,6 +182,7 @@ class ResumableSampler(DistributedSampler):
     def __init__(self, *args: Any, repeats: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.repeats = repeats
+        self.set_epoch(self.epoch)  # repeats > 1: a loader's length is the epoch's from the start
 
     def set_epoch(self, epoch: int, skip: int = 0, indices: torch.Tensor | None = None) -> None:
         super().set_epoch(epoch)

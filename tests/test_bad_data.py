@@ -23,7 +23,7 @@ from torchvision import transforms as v1
 from torchvision.transforms import v2
 
 import utils
-from multi_train_utils.train_eval_utils import IGNORE_INDEX
+from multi_train_utils.train_eval_utils import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from my_dataset import (LOADER_TIMEOUT_S, MyDataSet, check_image, load_image_tensor,
                         load_pil_image, loader_kwargs, printable_path)
 from utils import (DataError, FolderScan, get_transforms, label_by_class_name,
@@ -568,6 +568,31 @@ def test_plots_stay_readable_for_long_names_and_many_classes(tmp_path):
                                                            range(1200)]), tmp_path / "many.png")
     with Image.open(tmp_path / "many.png") as img:
         assert img.width <= 2400  # 0.6 inch a class would be 72,000 px
+
+
+def test_plot_data_loader_image_shows_a_batch_named_as_the_classic_tutorial(tmp_path,
+                                                                         monkeypatch):
+    """The classic launcher's import; uint8, normalised and --decode device batches show the
+    same pixels, named from class_indices.json here or by ``classes``; headless: a file."""
+    from utils import plot_data_loader_image, read_split_data  # noqa: F401 (the classic line)
+    monkeypatch.chdir(tmp_path)
+    paths = [str(write_jpeg(tmp_path / f"{i}.jpg", i, (40, 50))) for i in range(5)]
+    write_json_atomic("class_indices.json", {0: "red", 1: "blue"})
+    classic = v1.Compose([v1.Resize(36), v1.CenterCrop(32), v1.ToTensor(),
+                          v1.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    shown = []
+    for transform in (get_transforms(32)["val"], classic, get_transforms(32, "device")["val"]):
+        loader = DataLoader(MyDataSet(paths, [0, 1, 0, 1, 1], transform), batch_size=5,
+                            collate_fn=MyDataSet.collate_fn)
+        fig = plot_data_loader_image(loader, path=tmp_path / "batch.png")
+        assert [ax.get_xlabel() for ax in fig.axes] == ["red", "blue", "red", "blue"]
+        shown.append(np.stack([ax.images[0].get_array() for ax in fig.axes]).astype(int))
+        with Image.open(tmp_path / "batch.png") as img:
+            assert img.format == "PNG"
+    assert shown[0].shape == (4, 32, 32, 3) and np.array_equal(shown[0], shown[2])
+    assert np.abs(shown[0] - shown[1]).mean() < 2  # v1 on PIL, undone: the same to a level
+    fig = plot_data_loader_image(loader, classes=["r", "b"], path=tmp_path / "b.png", count=2)
+    assert [ax.get_xlabel() for ax in fig.axes] == ["r", "b"]
 
 
 def test_write_json_atomic_leaves_no_temporary_file_and_normal_permissions(tmp_path):

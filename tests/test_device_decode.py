@@ -127,14 +127,15 @@ def test_workers_send_bytes_only_of_what_the_device_decoder_reads_as_the_cpu(mix
     assert sent["rotated.jpg"].hw == (90, 67)  # turned: the EXIF orientation applied
 
 
-@pytest.mark.parametrize("split", ["train", "val"])
-def test_device_batches_equal_workers_batches(mixed, split, monkeypatch):
+@pytest.mark.parametrize("split, sizes", [("train", {}), ("val", {}), (  # a crop past the
+    "val", {"val_resize_size": 21, "val_crop_size": 32})])  # resize: padded as v2's CenterCrop
+def test_device_batches_equal_workers_batches(mixed, split, sizes, monkeypatch):
     batches, augment = {}, device_decode._augment
     for decode in ("workers", "device", "device as on a GPU"):
         if decode == "device as on a GPU":  # float arithmetic, as v2 and this path use there
             monkeypatch.setattr(device_decode, "_augment", lambda x, plan: augment(x.float(), plan))
         dataset = MyDataSet(mixed, list(range(len(mixed))),
-                            get_transforms(32, decode.split()[0])[split], seed=7)
+                            get_transforms(32, decode.split()[0], **sizes)[split], seed=7)
         dataset.set_epoch(3)
         loader = DataLoader(dataset, batch_size=5, **loader_kwargs(2, CPU))  # 2 workers
         batches[decode] = list(prefetch_to_device(loader, CPU))

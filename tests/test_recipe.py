@@ -27,8 +27,9 @@ from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import BatchMix, ModelEma, lr_schedule, make_optimizer, resolve_recipe
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from predict import load_predictor
+from test_bad_data import make_class
 from train_multi_gpu_using_launch import RUN_DEFAULTS, check_args, get_args_parser
-from utils import get_transforms, imagenet_layout
+from utils import DataError, get_transforms, imagenet_layout
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -338,6 +339,24 @@ def test_ra_sampler_order_is_torchvisions_and_each_copy_is_its_own_sample():
         assert list(rest) == whole[rank][20:]
 
 
+def test_ra_sampler_has_its_epochs_length_from_the_start_so_few_images_are_one_line(
+        tmp_path, plain):
+    """5 images, 2 ranks, 3 repeats: an epoch deals 5 // 2 = 2 samples a rank (not
+    DistributedSampler's 3) before set_epoch too, so the launcher sees no batch of 3 is made."""
+    for rank in range(2):
+        sampler = ResumableSampler(list(range(5)), 2, rank, seed=7, repeats=3)
+        first = list(sampler)
+        sampler.set_epoch(0)
+        assert len(sampler) == len(first) == 2 and first == list(sampler)
+    for part, sizes in (("train", (3, 2)), ("val", (1, 1))):  # ImageNet's layout
+        for cls, n in zip("ab", sizes):
+            make_class(tmp_path / "data" / part / cls, n, 0)
+    res = ranks(plain, 2, LAUNCH, *flags(tmp_path / "data", tmp_path / "out", "--batch-size", "3",
+                                         "--ra-sampler", "--ra-reps", "3"))
+    assert_user_error(res, "error: 5 training images make no batch of 3 for each of 2 "
+                           "process(es); lower --batch-size.")
+
+
 # ---------------------------------------------------------------- augmentation and layout
 @pytest.mark.parametrize("policy,kind", [("ta_wide", v2.TrivialAugmentWide),
                                          ("ra", v2.RandAugment), ("augmix", v2.AugMix),
@@ -376,6 +395,46 @@ def test_imagenet_layout_reads_train_and_val(tmp_path):
         before = dict(vars(given))
         imagenet_layout(given)
         assert vars(given) == before
+
+
+SORT_VAL = ("(ILSVRC2012's validation images come in one folder, their labels in a separate "
+            "file); sort them into a folder per class as in {d}/train, or train on --data-path "
+            "{d}/train alone, which holds out --val-rate of it.")
+LOOSE = "ILSVRC2012_val_00000001.JPEG"
+
+
+@pytest.mark.parametrize("val, message", [
+    ([LOOSE], "{d}/val holds no class folders " + SORT_VAL),  # ILSVRC2012's, as it ships
+    (["n01", "n02", LOOSE], "{d}/val holds 1 image(s) outside its class folders "
+     + SORT_VAL),  # a sort left half done
+    (["n01"], "{d}/train and {d}/val have different class folders (n02 in one only); give both "
+              "the same classes (or, to validate on some, --data-path {d}/train --val-path "
+              "{d}/val)."),
+    (["n01", "n02", "n03"], "{d}/train and {d}/val have different class folders (n03 in one "
+                            "only); give both"),
+], ids=["flat", "half sorted", "lacking a class", "with another class"])
+def test_imagenet_layout_refuses_a_flat_val_or_one_of_other_classes(tmp_path, val, message):
+    d = tmp_path / "in"
+    for name in ("n01", "n02"):
+        (d / "train" / name).mkdir(parents=True)
+    (d / "val").mkdir()
+    for name in val:
+        (d / "val" / name).touch() if name == LOOSE else (d / "val" / name).mkdir()
+    (d / "val" / "LOC_val_solution.csv").touch()  # the labels: no image
+    for eval_only in (False, True):  # --eval-only --data-path D reads D/val alone
+        with pytest.raises(DataError) as err:
+            imagenet_layout(argparse.Namespace(data_path=str(d), val_path=None,
+                                               eval_only=eval_only))
+        assert str(err.value).startswith(message.format(d=d))
+
+
+def test_a_flat_val_folder_is_one_line_not_a_model_of_train_against_val(tmp_path, plain):
+    for cls in ("n01", "n02"):
+        make_class(tmp_path / "in" / "train" / cls, 2, 0)
+    make_class(tmp_path / "in" / "val", 2, 1)  # 00.jpg, 01.jpg: no class folder
+    res = plain(flags(tmp_path / "in", tmp_path / "out", "--epochs", "1"))
+    assert_user_error(res, f"error: {tmp_path / 'in' / 'val'} holds no class folders")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 # ---------------------------------------------------------------- launched: stopped, continued
