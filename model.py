@@ -114,11 +114,15 @@ def is_weights_name(value: str) -> bool:
     return bool(re.fullmatch(r"\w+_Weights\.\w+", value)) and not os.path.isfile(value)
 
 
-def get_model(name: str, num_classes: int = 1000, **kwargs: Any) -> nn.Module:
+def get_model(name: str, num_classes: int = 1000, img_size: int | None = None,
+              **kwargs: Any) -> nn.Module:
     """``(N, 3, H, W) -> (N, num_classes)``: the :data:`MODELS` builder ``name``, else torchvision's
     classifier ``name`` (``kwargs`` go to the builder). googlenet and inception_v3 come without
     auxiliary heads and always convert their input as torchvision's weights need (a fixed affine
-    map; the weights do not record it, so every run and every load of their files agrees)."""
+    map; the weights do not record it, so every run and every load of their files agrees). A
+    ViT is built for ``img_size`` crops (default 224): its position embeddings fit one size."""
+    if name.startswith("vit_") and img_size:
+        kwargs = {"image_size": img_size, **kwargs}
     if name in MODELS:
         return MODELS[name](num_classes=num_classes, **kwargs)
     if name not in (names := torchvision.models.list_models(module=torchvision.models)):
@@ -130,24 +134,44 @@ def get_model(name: str, num_classes: int = 1000, **kwargs: Any) -> nn.Module:
     return torchvision.models.get_model(name, num_classes=num_classes, **kwargs)
 
 
-def check_model(name: str, img_size: int, weights: str | None = None,
-                flag: str = "--img-size") -> None:
-    """A :class:`ConfigError` for an unknown ``name``, ``weights`` named for another model, or a
-    model that cannot take ``img_size`` crops (ViT: only 224): it runs on the meta device."""
+def weights_size(name: str, weights: str | None) -> int | None:
+    """The one crop size ``name`` takes with torchvision's ``weights`` by name (a ViT's: their
+    ``meta["min_size"]``), else None; a :class:`ConfigError` if they are another model's."""
+    if not (weights and is_weights_name(weights)
+            and name in torchvision.models.list_models(module=torchvision.models)):
+        return None  # no weights by name, or an unknown name: get_model says so
+    own = _weights_enum(weights, name)
+    return own.meta["min_size"][0] if name.startswith("vit_") else None
+
+
+def check_model(name: str, img_size: int, weights: str | None = None, *,
+                crops: dict[str, int] | None = None, train_batch: int = 0) -> None:
+    """A :class:`ConfigError` for an unknown ``name``, ``weights`` named for another model or
+    crop size, or a model that cannot take ``img_size`` crops (a ViT is built for them), those
+    of ``crops`` (``{"--val-crop-size": 256}``), or train on batches of ``train_batch`` (BatchNorm
+    needs more than one value per channel): it runs on the meta device."""
+    if (fixed := weights_size(name, weights)) not in (None, img_size):
+        raise ConfigError(f"--weights {weights} is for {fixed} px crops (its position embeddings "
+                          f"fit that size alone); use --img-size {fixed}.")
+    # (flag, batch, crop size): evaluation at each crop, then a training step (BatchNorm).
+    checks = [("--img-size", 1, img_size), *((f, 1, s) for f, s in (crops or {}).items())]
+    checks += [("--batch-size", train_batch, img_size)] if train_batch else []
+    flag, batch, size = checks[0]  # named if the build fails (a ViT's size: a multiple of 16)
     try:
-        with torch.device("meta"):
-            model = get_model(name, num_classes=2)
+        with torch.device("meta"), torch.no_grad():
+            model = get_model(name, num_classes=2, img_size=img_size)
+            for flag, batch, size in checks:
+                model.train(flag == "--batch-size")(torch.empty(batch, 3, size, size))
     except NotImplementedError:  # RegNet computes its widths with tensors, which meta lacks;
-        model = nn.Identity()  # it takes any size
-    if weights and is_weights_name(weights):
-        _weights_enum(weights, name)
-    try:
-        with torch.no_grad():
-            model.eval()(torch.empty(1, 3, img_size, img_size, device="meta"))
+        return  # it takes any size
     except (RuntimeError, AssertionError, ValueError) as exc:
         reason = (str(exc) or type(exc).__name__).splitlines()[0]
-        raise ConfigError(f"--model {name} cannot take {flag} {img_size} crops ({reason}); "
-                          "use 224, as torchvision's recipes do.") from None
+        if flag == "--batch-size":
+            raise ConfigError(f"--model {name} cannot train on --batch-size {batch} at --img-size "
+                              f"{size}: BatchNorm would see one value per channel ({reason}); "
+                              "raise --batch-size or --img-size.") from None
+        raise ConfigError(f"--model {name} cannot take {flag} {size} crops ({reason}); use "
+                          f"{img_size if size != img_size else 224}.") from None
 
 
 def _weights_enum(value: str, model_name: str) -> Any:
@@ -175,9 +199,11 @@ def named_weights(value: str, model_name: str) -> dict[str, Tensor] | None:
             state = torchvision.models.get_model(model_name, weights=weights).state_dict()
         aux = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's, inception's: not built here
         return {k: v for k, v in state.items() if not k.startswith(aux)}
-    except OSError as exc:  # urllib's URLError too
-        if os.path.isfile(os.path.join(folder, file)):
-            raise
+    except Exception as exc:  # urllib's URLError; a cut download, a web page saved as the file
+        reason = re.split(r"\. |\n", f"{type(exc).__name__}: {exc}")[0]  # torch's: a paragraph
+        if os.path.isfile(path := os.path.join(folder, file)):
+            raise ConfigError(f"--weights {value}: {path} is damaged ({reason}); delete it to "
+                              f"download it again, or put a copy of {weights.url} there.") from None
         raise ConfigError(f"--weights {value}: {file} is not in the torch hub cache and could "
                           f"not be downloaded ({getattr(exc, 'reason', exc)}); download "
                           f"{weights.url} into {folder}.") from None
@@ -199,7 +225,7 @@ def classifier_name(model: nn.Module) -> str:
 
 def load_weights(model: nn.Module, weights: str, model_name: str, strict: bool = False) -> None:
     """``--weights``: a file, or torchvision's weights by name (:func:`named_weights`), loaded as
-    far as it fits (:func:`~multi_train_utils.checkpoint.load_pretrained`): the classifier new."""
+    far as it fits (:func:`~multi_train_utils.checkpoint.load_pretrained`): the logits layer new."""
     load_pretrained(model, weights, strict, head=classifier_name(model),
                     state=named_weights(weights, model_name))
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from model import classifier_name, get_model
+from model import check_model, classifier_name, get_model
 from multi_train_utils.checkpoint import extract_state_dict, load_file, save_atomic
 from multi_train_utils.distributed_utils import pick_device
 from multi_train_utils.guard import UserError
@@ -80,9 +80,11 @@ def _read_args(path: Path | None) -> dict[str, Any]:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int) -> nn.Module:
-    """``name`` with ``num_classes`` outputs and ``state_dict`` loaded (strict), in eval mode."""
-    model = get_model(name, num_classes=num_classes)
+def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
+                img_size: int | None = None) -> nn.Module:
+    """``name`` with ``num_classes`` outputs (a ViT: for ``img_size`` crops) and ``state_dict``
+    loaded (strict), in eval mode."""
+    model = get_model(name, num_classes=num_classes, img_size=img_size)
     head = classifier_name(model)  # its last weight: the logits layer's, (num_classes, ...)
     last = [k for k in model.state_dict() if k.startswith(f"{head}.") and k.endswith("weight")]
     got = state_dict.get(last[-1])
@@ -120,7 +122,9 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
                             "class_indices.json beside it or one folder up; pass --class-indices.")
         classes = load_class_names(found)
     # `or`, not a .get default: args.json holds null for options left unset.
-    net = build_model(model or recorded.get("model") or DEFAULT_MODEL, state_dict, len(classes))
+    name = model or recorded.get("model") or DEFAULT_MODEL
+    trained = int(recorded.get("img_size") or img_size or DEFAULT_IMG_SIZE)  # the size a ViT fits
+    net = build_model(name, state_dict, len(classes), trained)
     size = img_size or recorded.get("img_size")
     if not size:
         # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
@@ -128,6 +132,7 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
               "pass the --img-size used in training.", file=sys.stderr)
     # The run's validation sizes and interpolation (--img-size: that crop of a resize x 256/224).
     sizes = {} if img_size else {k: recorded.get(k) for k in ("val_resize_size", "val_crop_size")}
+    check_model(name, trained, crops={"--img-size": img_size or sizes["val_crop_size"] or trained})
     return net, list(classes), get_transforms(
         int(size or DEFAULT_IMG_SIZE), interpolation=recorded.get("interpolation") or "bilinear",
         **sizes)["val"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from model import check_model, freeze_backbone, get_model, load_weights
+from model import check_model, freeze_backbone, get_model, load_weights, weights_size
 from multi_train_utils.checkpoint import (load_checkpoint, recorded_defaults, restore,
                                           save_checkpoint, step_saves)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> None:
     if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
         run_on_main(claim_output_dir, out)
         ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
-    args = recorded_defaults(args, ckpt_path or weights, defaults)  # the run's, if any
+    args = run_defaults(args, ckpt_path or weights, defaults, info.world_size)  # the run's
 
     # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
     root = args.data_path or (args.eval_only and args.val_path) or str(make_demo_data(
@@ -104,7 +104,7 @@ def main(args: argparse.Namespace) -> None:
     # fsdp the others build on the meta device (no memory), their shards filled from rank 0's.
     fsdp = info.world_size > 1 and args.strategy == "fsdp"
     with torch.device("meta" if fsdp and info.rank > 0 else "cpu"):
-        model = get_model(args.model, num_classes=len(classes))
+        model = get_model(args.model, num_classes=len(classes), img_size=args.img_size)
     if weights and ckpt_path is None:
         run_on_main(load_weights, model, weights, args.model, strict=args.eval_only)
     if args.freeze_layers:
@@ -216,11 +216,8 @@ def check_args(args: argparse.Namespace, world_size: int
     args = argparse.Namespace(**vars(args))  # main(args) twice: the same run
     imagenet_layout(args)  # D/train and D/val: --data-path D/train --val-path D/val
     defaults = {**RUN_DEFAULTS, **resolve_recipe(args)}
-    if args.model:  # else the run's, or resnet34
-        size = args.img_size or 224
-        check_model(args.model, size, args.weights)
-        check_model(args.model, args.val_crop_size or defaults["val_crop_size"] or size,
-                    args.weights, flag="--val-crop-size")
+    if args.model:  # a ViT's weights by name: the size they were trained at
+        defaults["img_size"] = weights_size(args.model, args.weights) or defaults["img_size"]
     out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
     if not args.eval_only and out.is_relative_to(data.resolve()):
         raise ConfigError(f"--output-dir {args.output_dir} is inside the data folder {data}, "
@@ -239,6 +236,18 @@ def check_args(args: argparse.Namespace, world_size: int
     check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook,
                    model_ema=args.model_ema)
     return args, defaults
+
+
+def run_defaults(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
+                 world_size: int) -> argparse.Namespace:
+    """``args`` completed from the run that made ``path`` (:func:`recorded_defaults`), then its
+    model checked at its crops and batch (SyncBatchNorm's, torch's and ours: all processes')."""
+    args = recorded_defaults(args, path, defaults)
+    frozen = args.eval_only or args.freeze_layers  # BatchNorm in eval mode
+    check_model(args.model, args.img_size, args.weights,
+                crops={"--val-crop-size": args.val_crop_size or args.img_size},
+                train_batch=0 if frozen else args.batch_size * (world_size if args.sync_bn else 1))
+    return args
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:

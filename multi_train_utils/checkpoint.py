@@ -155,9 +155,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: 
                               f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
                               "accuracy would be meaningless; pass its --model and data.")
     total = len(unwrap(model).state_dict())
+    new = sorted({k.rsplit(".", 1)[0] for k in missing if k.startswith(f"{head}.")})  # layers
     log.info("loaded %s: %d of the model's %d tensors%s", path, total - len(missing), total,
-             f"; the classifier ({head}) starts new"
-             if any(k.startswith(f"{head}.") for k in missing) else "")
+             f"; new for the data's classes: {', '.join(new)}" if new else "")
     if any(not k.startswith(f"{head}.") for k in [*missing, *skipped]):
         log.warning("%s and the model differ beyond the classifier (%d tensor(s) of the model "
                     "not loaded, %d of the file unused)", path, len(missing), len(skipped))

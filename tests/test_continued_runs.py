@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ import torch
 from conftest import (LAUNCH, ROOT, TINY_FLAGS, assert_user_error, clone_run, flags, load_ckpt,
                       ranks, read_metrics)
 from multi_train_utils.checkpoint import NOT_COMPARED, changed_flags
-from train_multi_gpu_using_launch import get_args_parser
+from multi_train_utils.guard import ConfigError
+from train_multi_gpu_using_launch import check_args, get_args_parser, run_defaults
 
 CONTRACT = ROOT / "docs" / "resume-and-restarts.md"
 
@@ -174,6 +176,45 @@ def test_eval_only_takes_model_and_size_from_the_checkpoint_and_refuses_others(
     assert res.returncode == 0, res.stderr[-3000:]
     assert "val images: 60" in res.stderr, res.stderr[-2000:]
 
+
+# ---------------------------------------------------------------- the model, at the run's sizes
+def test_a_continued_run_checks_the_runs_model_at_its_size_and_batch(reference_run, tiny_data,
+                                                                     tmp_path, plain):
+    """resnet18 at 32 px from the checkpoint, continued in one process with --batch-size 1: its
+    layer4 BatchNorm would see one value per channel. One line, before anything trains."""
+    out = clone_run(reference_run.out, tmp_path / "run")
+    before = (out / "checkpoint.pth").read_bytes()
+    res = plain(without_model_flags(flags(tiny_data, out, "--epochs", "4", "--batch-size", "1")))
+    assert_user_error(res, "--model resnet18 cannot train on --batch-size 1 at --img-size 32: "
+                      "BatchNorm would see one value per channel (",
+                      "); raise --batch-size or --img-size.")
+    assert "applied" not in res.stderr and (out / "checkpoint.pth").read_bytes() == before
+
+
+def test_the_model_check_takes_the_runs_model_and_the_processes_batchnorm(tmp_path):
+    """A squeezenet1_1 run at 32 px continued at --img-size 16 (no --model: the run's) is
+    refused. A batch of 1 per process trains where BatchNorm sees more: SyncBatchNorm over two
+    processes, --freeze-layers (BatchNorm in eval mode), or --eval-only."""
+    out = tmp_path / "run"
+    out.mkdir()
+    torch.save({"args": {"model": "squeezenet1_1", "img_size": 32}}, out / "checkpoint.pth")
+
+    def complete(*argv: str, world_size: int = 1, run: Path | None = out / "checkpoint.pth"
+                 ) -> argparse.Namespace:
+        args, defaults = check_args(get_args_parser().parse_args(["--output-dir", str(out),
+                                                                  *argv]), world_size)
+        return run_defaults(args, run and str(run), defaults, world_size)
+
+    assert complete().img_size == 32
+    with pytest.raises(ConfigError, match=r"^--model squeezenet1_1 cannot take --img-size 16 "
+                       r"crops \(Given input size: \(256x1x1\)\. .*\); use 224\.$"):
+        complete("--img-size", "16")
+    one = ["--model", "resnet18", "--img-size", "32", "--batch-size", "1"]  # a new run
+    with pytest.raises(ConfigError, match=r"^--model resnet18 cannot train on --batch-size 1 "):
+        complete(*one, "--no-sync-bn", world_size=2, run=None)
+    complete(*one, world_size=2, run=None)  # --sync-bn: 2 values per channel
+    complete(*one, "--weights", "w.pth", "--freeze-layers", run=None)
+    complete(*one, "--weights", "w.pth", "--eval-only", run=None)
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -204,7 +204,8 @@ def test_zero_init_residual_makes_blocks_identity_branches(name: str) -> None:
 
 
 def test_an_unknown_model_name_is_one_line_with_the_closest_names() -> None:
-    for call in (lambda: model.get_model("resnet35"), lambda: model.check_model("resnet35", 64)):
+    for call in (lambda: model.get_model("resnet35"), lambda: model.check_model("resnet35", 64),
+                 lambda: model.check_model("resnet35", 64, "ResNet50_Weights.DEFAULT")):
         with pytest.raises(ConfigError, match=r"^unknown --model resnet35; did you mean .*34"):
             call()
 
@@ -401,6 +402,30 @@ def test_missing_named_weights_say_where_to_put_them(tmp_path: Path,
                             f"{file.parent}."), message
 
 
+@pytest.mark.parametrize("damage", ["truncated", "web page"])
+def test_a_damaged_hub_file_is_one_line_saying_to_delete_it(
+        damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download cut short, or a proxy's page saved under the file's name: the file is named,
+    with what to do; nothing is downloaded."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    name = "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
+    file = _hub_file(name)
+    file.parent.mkdir(parents=True)
+    torch.save(torchvision.models.mobilenet_v3_small().state_dict(), file)
+    whole = file.read_bytes()
+    file.write_bytes(whole[:len(whole) // 2] if damage == "truncated"
+                     else b"<!DOCTYPE html><html><body>Sign in to continue</body></html>")
+    with pytest.raises(ConfigError) as excinfo:
+        model.named_weights(name, "mobilenet_v3_small")
+    reason = {"truncated": "RuntimeError: PytorchStreamReader failed reading zip archive",
+              "web page": "UnpicklingError: invalid load key, '<'."}[damage]
+    message = str(excinfo.value)
+    assert message.startswith(f"--weights {name}: {file} is damaged ({reason}"), message
+    assert message.endswith(f"); delete it to download it again, or put a copy of "
+                            f"{torchvision.models.get_weight(name).url} there."), message
+    assert "\n" not in message
+
+
 def test_weights_named_for_another_model_are_refused() -> None:
     other = "ResNet50_Weights.IMAGENET1K_V2"
     for call in (lambda: model.named_weights(other, "mobilenet_v3_small"),
@@ -413,11 +438,57 @@ def test_weights_named_for_another_model_are_refused() -> None:
 
 
 def test_check_model_refuses_a_crop_size_the_model_cannot_take() -> None:
-    with pytest.raises(ConfigError, match=r"^--model vit_b_16 cannot take --img-size 64 crops "
-                       r"\(Wrong image height! Expected 224 but got 64!\); use 224"):
-        model.check_model("vit_b_16", 64)
+    with pytest.raises(ConfigError, match=r"^--model vit_b_16 cannot take --val-crop-size 64 crops "
+                       r"\(Wrong image height! Expected 224 but got 64!\); use 224\.$"):
+        model.check_model("vit_b_16", 224, crops={"--val-crop-size": 64})
+    with pytest.raises(ConfigError, match=r"^--model squeezenet1_1 cannot take --img-size 16 crops "
+                       r"\(Given input size: .*\); use 224\.$"):
+        model.check_model("squeezenet1_1", 16)
+    with pytest.raises(ConfigError, match=r"^--model vit_b_16 cannot take --img-size 60 crops "
+                       r"\(Input shape indivisible by patch size!\); use 224\.$"):
+        model.check_model("vit_b_16", 60)
     model.check_model("vit_b_16", 224)
+    model.check_model("vit_b_16", 64, crops={"--val-crop-size": 64})  # a ViT built for 64 px
     model.check_model("regnet_x_400mf", 32)  # not buildable on meta: left to its first forward
+
+
+def test_check_model_refuses_a_training_batch_batchnorm_sees_one_value_of() -> None:
+    """BatchNorm in training needs more than one value per channel: resnet18 at 32 px ends in
+    1x1 maps, so a batch of 1 cannot train; 2 images (one process's, or SyncBatchNorm's over
+    two processes), or larger crops, can."""
+    for name, channels in [("resnet18", 512), ("mobilenet_v3_small", 288)]:
+        with pytest.raises(ConfigError) as excinfo:
+            model.check_model(name, 32, train_batch=1)
+        assert str(excinfo.value) == (
+            f"--model {name} cannot train on --batch-size 1 at --img-size 32: BatchNorm would see "
+            "one value per channel (Expected more than 1 value per channel when training, got "
+            f"input size torch.Size([1, {channels}, 1, 1])); raise --batch-size or --img-size.")
+    model.check_model("resnet18", 32, train_batch=2)
+    model.check_model("resnet18", 64, train_batch=1)  # 2x2 maps: four values per channel
+    model.check_model("resnet18", 32)  # evaluation only: BatchNorm uses its running statistics
+
+
+def test_vit_weights_for_another_size_build_the_model_at_their_size() -> None:
+    """torchvision builds vit_b_16 with its SWAG E2E weights for 384 px crops (``meta["min_size"]``,
+    its ``image_size``); so does get_model with that --img-size, and the weights fit. Another
+    --img-size is one line naming the size."""
+    name = "ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1"
+    assert model.weights_size("vit_b_16", name) == 384
+    assert model.weights_size("vit_b_16", "ViT_B_16_Weights.IMAGENET1K_V1") == 224
+    assert model.weights_size("resnet50", "ResNet50_Weights.DEFAULT") is None  # any size
+    with torch.device("meta"):
+        theirs = torchvision.models.vit_b_16(image_size=384).state_dict()  # as weights= builds
+        ours = model.get_model("vit_b_16", num_classes=5, img_size=384)
+    assert ours.encoder.pos_embedding.shape == theirs["encoder.pos_embedding"].shape
+    assert theirs["encoder.pos_embedding"].shape == (1, (384 // 16) ** 2 + 1, 768)
+    from multi_train_utils.checkpoint import load_pretrained
+
+    load_pretrained(ours, name, head=model.classifier_name(ours), state=theirs)  # it fits
+    model.check_model("vit_b_16", 384, name)
+    with pytest.raises(ConfigError) as excinfo:
+        model.check_model("vit_b_16", 224, name)
+    assert str(excinfo.value) == (f"--weights {name} is for 384 px crops (its position embeddings "
+                                  "fit that size alone); use --img-size 384.")
 
 
 def test_mallopt_returns_freed_fsdp_buffers_to_the_os(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -462,8 +533,11 @@ def test_load_pretrained_keeps_the_backbone_and_starts_the_named_head_new(
     assert all(torch.equal(own[k], state[k]) for k in own if not k.startswith("classifier.3."))
     assert torch.equal(own["classifier.3.weight"], new_head)
     total = len(own)
+    # Only classifier.3 starts new: classifier.0 (576 -> 1024) is the file's.
+    assert torch.equal(own["classifier.0.weight"], state["classifier.0.weight"])
     assert caplog.messages == [f"loaded MobileNet_V3_Small_Weights.DEFAULT: {total - 2} of the "
-                               f"model's {total} tensors; the classifier (classifier) starts new"]
+                               f"model's {total} tensors; new for the data's classes: "
+                               "classifier.3"]
 
 
 def test_predict_checks_the_class_count_on_any_classifier() -> None:

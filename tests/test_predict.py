@@ -257,6 +257,26 @@ def test_usage_errors_are_one_line_exit_2(run: dict, tmp_path: Path, case: str,
     assert line.startswith("error: ") and expected in line, line
 
 
+def test_a_crop_the_runs_model_cannot_take_is_one_line_exit_2(
+        run: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A squeezenet1_1 trained at 32 px, asked for 16 px crops: its last pooling would have no
+    output. The run's model and size come from the checkpoint; the line says to use 32."""
+    torch.manual_seed(0)
+    state = get_model("squeezenet1_1", num_classes=len(CLASSES)).state_dict()
+    weights = tmp_path / "checkpoint.pth"
+    torch.save({"model": state, "epoch": 0, "args": {"model": "squeezenet1_1", "img_size": 32},
+                "classes": CLASSES}, weights)
+
+    code, out, err = _main(capsys, "--weights", weights, "--img-size", "16", run["images"][0])
+
+    assert (code, out) == (2, [])
+    (line,) = err
+    assert re.fullmatch(r"error: --model squeezenet1_1 cannot take --img-size 16 crops \(Given "
+                        r"input size: .*\); use 32\.", line), line
+    code, (line,), _ = _main(capsys, "--weights", weights, "--top-k", "1", run["images"][0])
+    assert code == 0 and _top1(line)[0] in CLASSES  # at its own 32 px
+
+
 def test_folders_are_searched_and_each_image_predicted_once(run: dict) -> None:
     images = run["dir"] / "images"
     named = images / "notes.txt"  # named explicitly: tried whatever its extension

@@ -28,7 +28,8 @@ from multi_train_utils.recipe import BatchMix, ModelEma, lr_schedule, make_optim
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from predict import load_predictor
 from test_bad_data import make_class
-from train_multi_gpu_using_launch import RUN_DEFAULTS, check_args, get_args_parser
+from train_multi_gpu_using_launch import (RUN_DEFAULTS, check_args, get_args_parser,
+                                          run_defaults)
 from utils import DataError, get_transforms, imagenet_layout
 
 
@@ -487,7 +488,7 @@ def test_weights_by_name_come_from_the_hub_cache_and_freeze_layers_trains_the_cl
     """--weights MobileNet_V3_Small_Weights.DEFAULT from a planted $TORCH_HOME cache (nothing
     downloads) with --freeze-layers: after training the features are the file's and only the
     classifier moved. Without the file and the network: one error line naming the file and the
-    folder to put it in, at once."""
+    folder to put it in, at once; a damaged file, one line naming it."""
     name = torchvision.models.MobileNet_V3_Small_Weights.DEFAULT.url.rsplit("/", 1)[-1]
     cache = tmp_path / "torch" / "hub" / "checkpoints"
     cache.mkdir(parents=True)
@@ -511,6 +512,11 @@ def test_weights_by_name_come_from_the_hub_cache_and_freeze_layers_trains_the_cl
                 TORCH_HOME=str(tmp_path / "empty"), **offline)
     assert_user_error(res, name, str(tmp_path / "empty" / "hub" / "checkpoints"))
     assert time.monotonic() - started < 20
+    (cache / name).write_bytes(b"<html>sign in</html>")  # a proxy's page saved as the file
+    res = plain([*argv, "--output-dir", str(tmp_path / "damaged")],
+                TORCH_HOME=str(tmp_path / "torch"), **offline)
+    assert_user_error(res, f"{cache / name} is damaged (UnpicklingError: invalid load key, '<'.)"
+                      "; delete it to download it again")
 
 
 def test_every_command_of_recipes_md_parses_and_builds_its_model_here():
@@ -519,7 +525,28 @@ def test_every_command_of_recipes_md_parses_and_builds_its_model_here():
     text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
     commands = re.findall(r"^\$L (.*?)(?<!\\)$", text.replace("\\\n", " "), re.M)
     assert len(commands) == 4, commands
-    for command in commands:  # check_args builds the model at both crop sizes
+    for command in commands:  # run_defaults builds the model at both crop sizes, and trains
         args, defaults = check_args(get_args_parser().parse_args(shlex.split(command)), 8)
         assert not args.scale_lr and args.opt in ("sgd", "rmsprop", "adamw")
         assert defaults["val_crop_size"] == 224
+        run_defaults(args, None, defaults, 8)
+
+
+def test_vit_weights_by_name_set_the_crop_size_they_were_trained_at():
+    """ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1 is torchvision's vit_b_16 at 384 px: --img-size
+    defaults to 384 (the model is built for it); another size is one line."""
+    def complete(*argv: str) -> argparse.Namespace:
+        args, defaults = check_args(get_args_parser().parse_args(
+            ["--model", "vit_b_16", "--weights", "ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1",
+             *argv]), 1)
+        return run_defaults(args, None, defaults, 1)
+
+    assert complete().img_size == 384
+    assert complete("--img-size", "384", "--val-crop-size", "384").img_size == 384
+    with pytest.raises(ConfigError, match=r"^--weights ViT_B_16_Weights\.IMAGENET1K_SWAG_E2E_V1 "
+                       r"is for 384 px crops \(its position embeddings fit that size alone\); "
+                       r"use --img-size 384\.$"):
+        complete("--img-size", "224")
+    with pytest.raises(ConfigError, match=r"^--model vit_b_16 cannot take --val-crop-size 224 "
+                       r"crops \(Wrong image height! Expected 384 but got 224!\); use 384\.$"):
+        complete("--val-crop-size", "224")
