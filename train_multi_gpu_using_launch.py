@@ -34,9 +34,8 @@ from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
 from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
                                           resume_path, write_metrics)
-from multi_train_utils.recipe import (OPTIMIZERS, SCHEDULES, BatchMix, ModelEma,
-                                      inert_decay_flags, lr_schedule, make_optimizer,
-                                      resolve_recipe)
+from multi_train_utils.recipe import (OPTIMIZERS, SCHEDULES, BatchMix, ModelEma, inert_flags,
+                                      lr_schedule, make_optimizer, resolve_recipe)
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
@@ -145,7 +144,7 @@ def main(args: argparse.Namespace) -> None:
     # 5. Resume: weights, optimizer, RNG, the schedule's place and the epoch's (its next batch).
     start_epoch, best_acc, best_loss, history, progress = 0, 0.0, math.inf, [], EpochProgress()
     if ckpt_path:
-        ckpt = load_checkpoint(ckpt_path, args, classes, inert_decay_flags(model_without_ddp))
+        ckpt = load_checkpoint(ckpt_path, args, classes, inert_flags(model_without_ddp))
         start_epoch, best_acc, best_loss, history, progress = restore(
             ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, ema=ema)
         scan.resume_epoch(progress, ckpt, out, train_paths)  # a stopped epoch: its own images

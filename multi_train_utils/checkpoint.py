@@ -166,8 +166,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: 
 def load_checkpoint(path: str, args: Any, classes: list[str], inert: Collection[str] = ()
                     ) -> dict[str, Any]:
     """Every rank reads ``path`` itself (a machine may lack it) and checks that this run can go
-    on from it (``inert``: as in :func:`changed_flags`); all ranks raise the same error, so none
-    waits alone in a collective."""
+    on from it; all ranks raise the same error, so none waits alone in a collective."""
     problem, ckpt = None, None
     try:
         ckpt = load_file(path)
@@ -214,8 +213,7 @@ def recorded_defaults(args: Any, path: str | None, defaults: dict[str, Any]) -> 
 def changed_flags(saved: dict[str, Any], args: Any, inert: Collection[str] = ()
                   ) -> tuple[list[str], list[str]]:
     """The flags of ``args`` whose values differ from the run's ``saved`` ones, as ``--lr 0.05
-    (the run had 0.01)``: (refused, applied). ``inert``: flags that change nothing for this
-    model (``recipe.inert_decay_flags``), never refused."""
+    (the run had 0.01)``: (refused, applied). ``inert`` (``recipe.inert_flags``): never refused."""
     def flag(key: str, value: Any, bare: bool = False) -> str:
         name = key.replace("_", "-")
         if value is None:
@@ -280,8 +278,7 @@ def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
 
 
 def load_model(ckpt: dict[str, Any], model: nn.Module) -> None:
-    """The weights of ``ckpt`` (either kind) into ``model`` (under any strategy), nothing else:
-    ``--eval-only``, whose optimizer need not take the run's state (``--opt``, frozen layers)."""
+    """``--eval-only``: the weights of ``ckpt`` (either kind) alone, under any strategy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if "shards" in ckpt:
@@ -304,7 +301,6 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     rank = get_rank()
-
     command = [{k: v for k, v in group.items() if k != "params"}
                for group in optimizer.param_groups]
     options = StateDictOptions(full_state_dict=True)  # every rank has it whole: FSDP keeps a shard

@@ -92,14 +92,12 @@ def make_optimizer(model: nn.Module, args: Any, images_per_step: int) -> torch.o
     return optimizer
 
 
-def inert_decay_flags(model: nn.Module) -> list[str]:
-    """The weight-decay flags whose group in :func:`make_optimizer` would hold none of
-    ``model``'s trainable parameters (it has no norm layers, biases or transformer embeddings):
-    given to one run of a continued pair only, they change nothing."""
+def inert_flags(model: nn.Module) -> list[str]:
+    """``--norm-weight-decay``, ``--transformer-embedding-decay`` where ``model`` trains no such
+    parameter (:func:`make_optimizer`): given to one of two continued runs, they change nothing."""
     trained = [(module, name) for module in model.modules()
                for name, param in module.named_parameters(recurse=False) if param.requires_grad]
     found = {"norm_weight_decay": any(isinstance(module, NORMS) for module, _ in trained),
-             "bias_weight_decay": any(name == "bias" for _, name in trained),
              "transformer_embedding_decay": any(name in EMBEDDINGS for _, name in trained)}
     return [flag for flag, has in found.items() if not has]
 

@@ -147,9 +147,8 @@ def save_shards(folder: str | os.PathLike, model: nn.Module,
 
 def load_shards(folder: str | os.PathLike, model: nn.Module,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Inverse of :func:`save_shards` at any world size, under FSDP, DDP or in one process:
-    ``torch.distributed.checkpoint`` reads into each rank's own tensors what they hold (the
-    model's alone without ``optimizer``)."""
+    """Inverse of :func:`save_shards` (no ``optimizer``: the model alone) at any world size,
+    under FSDP, DDP or in one process: each rank reads into its own tensors what they hold."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict,

@@ -24,7 +24,7 @@ from conftest import (LAUNCH, ROOT, assert_same_run, assert_same_tensors, assert
 from multi_train_utils.checkpoint import (BEFORE_RECIPES, changed_flags, recorded_defaults,
                                           restore, whole_state)
 from multi_train_utils.guard import ConfigError
-from multi_train_utils.recipe import (BatchMix, ModelEma, inert_decay_flags, lr_schedule,
+from multi_train_utils.recipe import (BatchMix, ModelEma, inert_flags, lr_schedule,
                                       make_optimizer, resolve_recipe)
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from predict import load_predictor
@@ -220,7 +220,7 @@ def test_a_continued_run_refuses_another_optimizer_order_or_decay_groups():
 
 def test_a_flag_that_changes_nothing_is_applied_not_refused():
     """--ra-reps while neither run uses --ra-sampler; a weight decay for a group the model has no
-    trainable parameter for (the launcher passes ``inert_decay_flags`` of its model)."""
+    trainable parameter for (the launcher passes ``inert_flags`` of its model)."""
     saved = vars(parse())
     assert changed_flags(saved, parse("--ra-reps", "4")) == ([], ["--ra-reps 4 (the run had 3)"])
     assert changed_flags({**saved, "ra_sampler": True}, parse("--ra-reps", "4"))[0] == [
@@ -228,13 +228,13 @@ def test_a_flag_that_changes_nothing_is_applied_not_refused():
     with torch.device("meta"):
         resnet, vit, alexnet = (torchvision.models.get_model(name)
                                 for name in ("resnet18", "vit_b_16", "alexnet"))
-    assert inert_decay_flags(resnet) == ["transformer_embedding_decay"]
-    assert inert_decay_flags(alexnet) == ["norm_weight_decay", "transformer_embedding_decay"]
-    assert inert_decay_flags(vit) == []
+    assert inert_flags(resnet) == ["transformer_embedding_decay"]
+    assert inert_flags(alexnet) == ["norm_weight_decay", "transformer_embedding_decay"]
+    assert inert_flags(vit) == []
     embedding = parse("--transformer-embedding-decay", "0")
     said = ["--transformer-embedding-decay 0.0 (the run had no --transformer-embedding-decay)"]
-    assert changed_flags(saved, embedding, inert=inert_decay_flags(resnet)) == ([], said)
-    assert changed_flags(saved, embedding, inert=inert_decay_flags(vit)) == (said, [])
+    assert changed_flags(saved, embedding, inert=inert_flags(resnet)) == ([], said)
+    assert changed_flags(saved, embedding, inert=inert_flags(vit)) == (said, [])
 
 
 def test_a_continued_or_evaluated_run_keeps_its_validation_sizes(tmp_path):
