@@ -26,16 +26,16 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from model import check_model, freeze_backbone, get_model, load_weights, weights_size
-from multi_train_utils.checkpoint import (load_checkpoint, recorded_defaults, restore,
-                                          save_checkpoint, step_saves)
+from multi_train_utils.checkpoint import (load_checkpoint, load_model, recorded_defaults,
+                                          restore, save_checkpoint, step_saves)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
                                                  cpus_per_process, init_distributed_mode,
                                                  register_comm_hook, run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
 from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
                                           resume_path, write_metrics)
-from multi_train_utils.recipe import (OPTIMIZERS, SCHEDULES, BatchMix, ModelEma, lr_schedule,
-                                      make_optimizer, resolve_recipe)
+from multi_train_utils.recipe import (OPTIMIZERS, SCHEDULES, BatchMix, ModelEma, inert_flags,
+                                      lr_schedule, make_optimizer, resolve_recipe)
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
@@ -126,6 +126,12 @@ def main(args: argparse.Namespace) -> None:
         register_comm_hook(model, args.comm_hook)
     if args.compile:
         model = torch.compile(model)
+    if args.eval_only:  # the model alone (--weights: loaded above); it needs no optimizer
+        if ckpt_path:
+            load_model(load_checkpoint(ckpt_path, args, classes), model_without_ddp)
+        log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
+                                        channels_last=channels_last), classes))
+        return cleanup()
 
     # 4. Optimizer and schedule: SGD on a cosine, or torchvision's recipe (--opt, ...: recipe.py).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -138,16 +144,10 @@ def main(args: argparse.Namespace) -> None:
     # 5. Resume: weights, optimizer, RNG, the schedule's place and the epoch's (its next batch).
     start_epoch, best_acc, best_loss, history, progress = 0, 0.0, math.inf, [], EpochProgress()
     if ckpt_path:
-        ckpt = load_checkpoint(ckpt_path, args, classes)
+        ckpt = load_checkpoint(ckpt_path, args, classes, inert_flags(model_without_ddp))
         start_epoch, best_acc, best_loss, history, progress = restore(
-            ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, info.rank,
-            ema=ema)
-        if not args.eval_only:  # a stopped epoch: its own images
-            scan.resume_epoch(progress, ckpt, out, train_paths)
-    if args.eval_only:
-        log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
-                                        channels_last=channels_last), classes))
-        return cleanup()
+            ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, ema=ema)
+        scan.resume_epoch(progress, ckpt, out, train_paths)  # a stopped epoch: its own images
     run_on_main(write_metrics, out, history)  # each finished epoch once, as the checkpoint says
     if start_epoch >= args.epochs:
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,

@@ -18,7 +18,7 @@ import random
 import re
 import shutil
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .distributed_utils import (all_gather_object, all_ranks_ok, get_world_size,
+from .distributed_utils import (all_gather_object, all_ranks_ok, get_rank, get_world_size,
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
 from .heartbeat import HEARTBEAT
@@ -163,7 +163,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: 
                     "not loaded, %d of the file unused)", path, len(missing), len(skipped))
 
 
-def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:
+def load_checkpoint(path: str, args: Any, classes: list[str], inert: Collection[str] = ()
+                    ) -> dict[str, Any]:
     """Every rank reads ``path`` itself (a machine may lack it) and checks that this run can go
     on from it; all ranks raise the same error, so none waits alone in a collective."""
     problem, ckpt = None, None
@@ -177,7 +178,7 @@ def load_checkpoint(path: str, args: Any, classes: list[str]) -> dict[str, Any]:
             raise CheckpointError(f"{path} names the shards {ckpt['shards']}, which are not "
                                   "there (complete); copy the whole run folder.")
         refused, ckpt["changed_flags"] = ([], []) if args.eval_only else changed_flags(
-            ckpt.get("args", {}), args)  # evaluation trains nothing: recorded_defaults checks
+            ckpt.get("args", {}), args, inert)  # evaluation: recorded_defaults checks the flags
         if ckpt.get("classes", classes) != classes:
             refused.append(f"the classes {classes} (the run had {ckpt['classes']})")
         if refused:
@@ -209,9 +210,10 @@ def recorded_defaults(args: Any, path: str | None, defaults: dict[str, Any]) -> 
     return type(args)(**{**vars(args), **defaults, **recorded, **given})
 
 
-def changed_flags(saved: dict[str, Any], args: Any) -> tuple[list[str], list[str]]:
+def changed_flags(saved: dict[str, Any], args: Any, inert: Collection[str] = ()
+                  ) -> tuple[list[str], list[str]]:
     """The flags of ``args`` whose values differ from the run's ``saved`` ones, as ``--lr 0.05
-    (the run had 0.01)``: (refused, applied)."""
+    (the run had 0.01)``: (refused, applied). ``inert`` (``recipe.inert_flags``): never refused."""
     def flag(key: str, value: Any, bare: bool = False) -> str:
         name = key.replace("_", "-")
         if value is None:
@@ -221,12 +223,14 @@ def changed_flags(saved: dict[str, Any], args: Any) -> tuple[list[str], list[str
         return str(value) if bare else f"--{name} {value}"
 
     refused, applied, saved = [], [], {**BEFORE_RECIPES, **saved}
+    if not (saved["ra_sampler"] or vars(args).get("ra_sampler")):  # no repeats: --ra-reps unused
+        inert = {*inert, "ra_reps"}
     for key, value in sorted(vars(args).items()):
         if key in NOT_COMPARED or key not in saved or saved[key] == value:
             continue
         # --val-path given to only one run moves images between training and validation.
         split = key in REFUSED or key in ONE_RUN_ONLY and None in (value, saved[key])
-        (refused if split else applied).append(
+        (refused if split and key not in inert else applied).append(
             f"{flag(key, value)} (the run had {flag(key, saved[key], bare=True)})")
     return refused, applied
 
@@ -273,9 +277,20 @@ def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
                         out / "weights" / f"model-{best['epoch']}.pth")
 
 
+def load_model(ckpt: dict[str, Any], model: nn.Module) -> None:
+    """``--eval-only``: the weights of ``ckpt`` (either kind) alone, under any strategy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if "shards" in ckpt:
+        load_shards(ckpt["shards"], model)
+    else:  # every rank has it whole: FSDP keeps a shard
+        set_model_state_dict(unwrap(model), ckpt["model"],
+                             options=StateDictOptions(full_state_dict=True))
+
+
 def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
-            images_per_step: int, rank: int, ema: nn.Module | None = None
+            images_per_step: int, ema: nn.Module | None = None
             ) -> tuple[int, float, float, list[dict], EpochProgress]:
     """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
     schedule at the next epoch, or at the epoch a stop interrupted. Returns (start epoch, best
@@ -283,9 +298,9 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     The schedule is laid out anew (more ``--epochs``: the longer cosine) and the optimizer's
     settings (lr, momentum, ...) are this run's, as for a new run with its flags and world size;
     its state (momentum buffers) is the checkpoint's, as is ``ema``'s (``recipe.ModelEma``)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    rank = get_rank()
     command = [{k: v for k, v in group.items() if k != "params"}
                for group in optimizer.param_groups]
     options = StateDictOptions(full_state_dict=True)  # every rank has it whole: FSDP keeps a shard
@@ -293,7 +308,7 @@ def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
         if "shards" in ckpt:
             load_shards(ckpt["shards"], model, optimizer)
         elif any(isinstance(key, int) for key in ckpt["optimizer"]["state"]):  # an older file
-            set_model_state_dict(unwrap(model), ckpt["model"], options=options)
+            load_model(ckpt, model)
             optimizer.load_state_dict(ckpt["optimizer"])  # keyed by position, as it was saved
         else:
             set_state_dict(unwrap(model), optimizer, model_state_dict=ckpt["model"],

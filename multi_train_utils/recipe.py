@@ -92,6 +92,16 @@ def make_optimizer(model: nn.Module, args: Any, images_per_step: int) -> torch.o
     return optimizer
 
 
+def inert_flags(model: nn.Module) -> list[str]:
+    """``--norm-weight-decay``, ``--transformer-embedding-decay`` where ``model`` trains no such
+    parameter (:func:`make_optimizer`): given to one of two continued runs, they change nothing."""
+    trained = [(module, name) for module in model.modules()
+               for name, param in module.named_parameters(recurse=False) if param.requires_grad]
+    found = {"norm_weight_decay": any(isinstance(module, NORMS) for module, _ in trained),
+             "transformer_embedding_decay": any(name in EMBEDDINGS for _, name in trained)}
+    return [flag for flag, has in found.items() if not has]
+
+
 def lr_schedule(optimizer: torch.optim.Optimizer, args: Any) -> lr_scheduler.LambdaLR:
     """``--lr-scheduler`` after ``--lr-warmup-epochs`` W, stepped once per epoch, as a LambdaLR
     of the factors torch's own schedulers give (run here on a stand-in optimizer): a resumed or

@@ -89,8 +89,9 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     log.info("the earlier run's files in %s were moved to %s", out, aside)
 
     def where_now(path: str | None) -> str | None:
-        root = Path(os.path.abspath(out))  # absolute, normalised, links not followed (moved too)
-        if path is None or not (full := Path(os.path.abspath(path))).is_relative_to(root):
+        # Folders resolved (runs/latest -> runs/b); not the file: a link among the run's moved too.
+        full = None if path is None else Path(path).absolute().parent.resolve() / Path(path).name
+        if full is None or not full.is_relative_to(root := out.resolve()):
             return path
         inside = full.relative_to(root)
         return str(aside / inside) if inside.parts and out / inside.parts[0] in found else path

@@ -152,20 +152,22 @@ def save_shards(folder: str | os.PathLike, model: nn.Module,
 
 
 def load_shards(folder: str | os.PathLike, model: nn.Module,
-                optimizer: torch.optim.Optimizer) -> None:
-    """Inverse of :func:`save_shards` at any world size, under FSDP, DDP or in one process:
-    ``torch.distributed.checkpoint`` reads into each rank's own tensors what they hold."""
+                optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Inverse of :func:`save_shards` (no ``optimizer``: the model alone) at any world size,
+    under FSDP, DDP or in one process: each rank reads into its own tensors what they hold."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict,
                                                          set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    state = {"model": get_model_state_dict(model),  # the optimizer's lazy state made, zeros
-             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:  # its lazy state made, zeros, for the file's to fill
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def read_shards(folder: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -138,6 +138,59 @@ def test_resume_through_a_link_to_the_runs_own_folder_continues_it(reference_run
     assert not (out / "previous-runs").exists()
 
 
+def test_a_link_in_the_runs_path_still_finds_the_files_moved_aside(tmp_path):
+    """``runs/latest -> runs/b``: a --resume or --weights file of the earlier run, named through
+    the other spelling of the folder, is read from where it was moved."""
+    from multi_train_utils.run_folder import move_earlier_run
+
+    for linked in ("output-dir", "files"):  # the spelling through the link
+        runs = tmp_path / linked
+        (runs / "b" / "weights").mkdir(parents=True)
+        for name in ("checkpoint.pth", "model_best.pth", "weights/model-0.pth"):
+            (runs / "b" / name).write_text(name)
+        (runs / "latest").symlink_to("b")
+        out, named = ((runs / "latest", runs / "b") if linked == "output-dir"
+                      else (runs / "b", runs / "latest"))
+        resume, weights = move_earlier_run(out, str(named / "model_best.pth"),
+                                           str(named / "weights" / "model-0.pth"))
+        (stamp,) = (runs / "b" / "previous-runs").iterdir()
+        assert Path(resume).read_text() == "model_best.pth", linked
+        assert Path(weights).read_text() == "weights/model-0.pth", linked
+        assert Path(resume).samefile(stamp / "model_best.pth")
+
+
+def test_resume_from_the_run_named_through_a_link_to_the_output_dir(reference_run, tiny_data,
+                                                                    tmp_path, plain):
+    """``--output-dir runs/latest --resume runs/b/model_best.pth``: the earlier run moves aside
+    and the run goes on from its best epoch (here: nothing left to train)."""
+    runs = tmp_path / "runs"
+    clone_run(reference_run.out, runs / "b", full=True)
+    (runs / "latest").symlink_to("b")
+    best = load_ckpt(reference_run.out / "model_best.pth")["epoch"]
+    res = plain(flags(tiny_data, runs / "latest", "--epochs", str(best + 1),
+                      "--resume", str(runs / "b" / "model_best.pth")))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "leaves nothing to train" in res.stderr
+    (stamp,) = (runs / "b" / "previous-runs").iterdir()
+    assert (stamp / "model_best.pth").is_file()
+    assert read_metrics(runs / "b") == read_metrics(reference_run.out)[:best + 1]
+
+
+def test_a_flag_that_changes_nothing_is_applied_not_refused(reference_run, tiny_data, tmp_path,
+                                                            plain):
+    """--ra-reps without --ra-sampler in either run, an embedding decay for a model without
+    embeddings (resnet18): the continued run trains on."""
+    out = clone_run(reference_run.out, tmp_path / "run")
+    res = plain(flags(tiny_data, out, "--epochs", "4", "--ra-reps", "4",
+                      "--transformer-embedding-decay", "0"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(line for line in res.stderr.splitlines() if "applied from epoch 3" in line)
+    for part in ("--ra-reps 4 (the run had 3)", "--transformer-embedding-decay 0.0 (the run "
+                 "had no --transformer-embedding-decay)"):
+        assert part in line, line
+    assert [m["epoch"] for m in read_metrics(out)] == [0, 1, 2, 3]
+
+
 # ---------------------------------------------------------------- no validation set
 def test_fsdp_without_validation_images_ends_well_and_exports_the_last_weights(tiny_data,
                                                                                tmp_path, plain):
@@ -215,6 +268,25 @@ def test_the_model_check_takes_the_runs_model_and_the_processes_batchnorm(tmp_pa
     complete(*one, world_size=2, run=None)  # --sync-bn: 2 values per channel
     complete(*one, "--weights", "w.pth", "--freeze-layers", run=None)
     complete(*one, "--weights", "w.pth", "--eval-only", run=None)
+
+
+@pytest.mark.parametrize("recipe", [["--opt", "adamw"], ["--freeze-layers", "--weights"]],
+                         ids=["adamw", "freeze-layers"])
+def test_eval_only_loads_the_model_alone_whatever_the_optimizer(recipe, reference_run, tiny_data,
+                                                                tmp_path, plain):
+    """The documented ``--eval-only --resume DIR/model_best.pth`` of a run whose optimizer
+    state this command's optimizer would not take: it scores the epoch as training did."""
+    if recipe[-1] == "--weights":  # the features of an earlier run, only the classifier trains
+        recipe = [*recipe, str(reference_run.out / "weights" / "model-0.pth")]
+    out = tmp_path / "run"
+    res = plain(flags(tiny_data, out, "--epochs", "1", *recipe))
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = plain(without_model_flags(flags(tiny_data, tmp_path / "eval", "--eval-only",
+                                          "--resume", str(out / "model_best.pth"))))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (epoch,) = read_metrics(out)
+    assert f"top-1 accuracy: {epoch['val_acc']:.4f}\n" in res.stderr, res.stderr[-2000:]
+    assert f"val loss: {epoch['val_loss']:.4f}" in res.stderr
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -24,7 +24,8 @@ from conftest import (LAUNCH, ROOT, assert_same_run, assert_same_tensors, assert
 from multi_train_utils.checkpoint import (BEFORE_RECIPES, changed_flags, recorded_defaults,
                                           restore, whole_state)
 from multi_train_utils.guard import ConfigError
-from multi_train_utils.recipe import BatchMix, ModelEma, lr_schedule, make_optimizer, resolve_recipe
+from multi_train_utils.recipe import (BatchMix, ModelEma, inert_flags, lr_schedule,
+                                      make_optimizer, resolve_recipe)
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from predict import load_predictor
 from test_bad_data import make_class
@@ -219,6 +220,25 @@ def test_a_continued_run_refuses_another_optimizer_order_or_decay_groups():
     assert changed_flags(before, parse()) == ([], [])  # its own command: nothing changed
 
 
+def test_a_flag_that_changes_nothing_is_applied_not_refused():
+    """--ra-reps while neither run uses --ra-sampler; a weight decay for a group the model has no
+    trainable parameter for (the launcher passes ``inert_flags`` of its model)."""
+    saved = vars(parse())
+    assert changed_flags(saved, parse("--ra-reps", "4")) == ([], ["--ra-reps 4 (the run had 3)"])
+    assert changed_flags({**saved, "ra_sampler": True}, parse("--ra-reps", "4"))[0] == [
+        "--ra-reps 4 (the run had 3)", "--no-ra-sampler (the run had --ra-sampler)"]
+    with torch.device("meta"):
+        resnet, vit, alexnet = (torchvision.models.get_model(name)
+                                for name in ("resnet18", "vit_b_16", "alexnet"))
+    assert inert_flags(resnet) == ["transformer_embedding_decay"]
+    assert inert_flags(alexnet) == ["norm_weight_decay", "transformer_embedding_decay"]
+    assert inert_flags(vit) == []
+    embedding = parse("--transformer-embedding-decay", "0")
+    said = ["--transformer-embedding-decay 0.0 (the run had no --transformer-embedding-decay)"]
+    assert changed_flags(saved, embedding, inert=inert_flags(resnet)) == ([], said)
+    assert changed_flags(saved, embedding, inert=inert_flags(vit)) == (said, [])
+
+
 def test_a_continued_or_evaluated_run_keeps_its_validation_sizes(tmp_path):
     """The sizes and interpolation the run validated with are its defaults, also under
     torchvision's flags, whose 256/224 only a new run takes; predict.py uses them too."""
@@ -318,7 +338,7 @@ def test_model_ema_turned_on_for_a_continued_run_starts_from_its_weights():
             "epoch": 0}  # saved without --model-ema
     ema = ModelEma.create(model, args, 16, torch.device("cpu"))
     restore(ckpt, model, optimizer, lr_schedule(optimizer, args),
-            torch.amp.GradScaler("cpu", enabled=False), 16, 0, ema=ema)
+            torch.amp.GradScaler("cpu", enabled=False), 16, ema=ema)
     assert_same_tensors(ema.module.state_dict(), model.state_dict())
     assert torch.equal(model.weight, ckpt["model"]["weight"]) and int(ema.n_averaged) == 0
 
