@@ -59,9 +59,9 @@ def test_the_sources_are_measured():
     assert not benchmarks & names and not any(n.startswith("tests/") for n in names)
 
 
-def test_source_is_at_most_4600_lines():
+def test_source_is_at_most_4700_lines():
     sizes = {p.relative_to(ROOT).as_posix(): lines(p) for p in source_files()}
-    assert sum(sizes.values()) <= 4600, sorted(sizes.items(), key=lambda kv: -kv[1])
+    assert sum(sizes.values()) <= 4700, sorted(sizes.items(), key=lambda kv: -kv[1])
 
 
 def test_no_file_over_700_lines():
