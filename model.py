@@ -16,6 +16,7 @@ Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs
 import difflib
 import logging
 import os
+import pickle
 import re
 import socket
 from typing import Any
@@ -199,9 +200,12 @@ def named_weights(value: str, model_name: str) -> dict[str, Tensor] | None:
             state = torchvision.models.get_model(model_name, weights=weights).state_dict()
         aux = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's, inception's: not built here
         return {k: v for k, v in state.items() if not k.startswith(aux)}
-    except Exception as exc:  # urllib's URLError; a cut download, a web page saved as the file
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        # urllib's URLError: no network; else a cut download, or a web page saved as the file
         reason = re.split(r"\. |\n", f"{type(exc).__name__}: {exc}")[0]  # torch's: a paragraph
-        if os.path.isfile(path := os.path.join(folder, file)):
+        if os.path.isfile(path := os.path.join(folder, file)) and isinstance(exc, OSError):
+            raise ConfigError(f"--weights {value}: {path} cannot be read ({reason}).") from None
+        if os.path.isfile(path):
             raise ConfigError(f"--weights {value}: {path} is damaged ({reason}); delete it to "
                               f"download it again, or put a copy of {weights.url} there.") from None
         raise ConfigError(f"--weights {value}: {file} is not in the torch hub cache and could "

@@ -29,8 +29,9 @@ from model import check_model, freeze_backbone, get_model, load_weights, weights
 from multi_train_utils.checkpoint import (load_checkpoint, load_model, recorded_defaults,
                                           restore, save_checkpoint, step_saves)
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
-                                                 cpus_per_process, init_distributed_mode,
-                                                 register_comm_hook, run_on_main)
+                                                 cpus_per_process, get_world_size,
+                                                 init_distributed_mode, register_comm_hook,
+                                                 run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
 from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
                                           resume_path, write_metrics)
@@ -62,10 +63,10 @@ def main(args: argparse.Namespace) -> None:
         torch.set_num_threads(cpus_per_process())  # N processes x all cores would oversubscribe
     torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN pick its fastest kernels
     ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
-    if not args.eval_only:  # one run per folder; a fresh start first moves an earlier run aside
+    vars(args).update(run_on_main(run_flags, args, ckpt_path or weights, defaults))  # checked
+    if not args.eval_only:  # then one run per folder: a fresh start moves an earlier run aside
         run_on_main(claim_output_dir, out)
         ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
-    args = run_defaults(args, ckpt_path or weights, defaults, info.world_size)  # the run's
 
     # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
     root = args.data_path or (args.eval_only and args.val_path) or str(make_demo_data(
@@ -238,16 +239,19 @@ def check_args(args: argparse.Namespace, world_size: int
     return args, defaults
 
 
-def run_defaults(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
-                 world_size: int) -> argparse.Namespace:
-    """``args`` completed from the run that made ``path`` (:func:`recorded_defaults`), then its
-    model checked at its crops and batch (SyncBatchNorm's, torch's and ours: all processes')."""
+def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
+              world_size: int | None = None) -> dict[str, Any]:
+    """The values of ``defaults``' flags for this run: given, else those of the run that made
+    ``path`` (:func:`recorded_defaults`), else ``defaults``; and its model checked at those crops
+    and at the batch its BatchNorm sees (SyncBatchNorm's: every process's). ``main`` asks rank 0
+    before an earlier run's files move aside, so a refused flag leaves them where they were."""
     args = recorded_defaults(args, path, defaults)
+    world_size = world_size or get_world_size()
     frozen = args.eval_only or args.freeze_layers  # BatchNorm in eval mode
     check_model(args.model, args.img_size, args.weights,
                 crops={"--val-crop-size": args.val_crop_size or args.img_size},
                 train_batch=0 if frozen else args.batch_size * (world_size if args.sync_bn else 1))
-    return args
+    return {k: getattr(args, k) for k in defaults}
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:

@@ -647,17 +647,24 @@ def user_cache_dir(instead: str) -> Path:
 def imagenet_layout(args: argparse.Namespace) -> None:
     """A ``--data-path D`` in torchvision's (ImageNet's) layout, ``D/train/<class>/`` and
     ``D/val/<class>/``, is read as ``--data-path D/train --val-path D/val`` (``--eval-only``:
-    ``--val-path D/val`` alone, so the training images are not listed), and said so. Refused: a
-    ``val/`` with images outside class folders (ILSVRC2012's ships flat), or with other classes
-    than ``train/`` (a copy or sort left half done), which ``ImageFolder`` would label apart."""
+    ``--val-path D/val`` alone, so the training images are not listed), and said so. Refused:
+    no ``val/`` beside such a ``train/`` (``valid/``, ``test/``: D's own folders would be taken
+    as classes), a ``val/`` with images outside class folders (ILSVRC2012's ships flat), or
+    with other classes than ``train/`` (a copy or sort left half done)."""
     root = Path(args.data_path or "")
     train, val = root / "train", root / "val"
-    if not args.data_path or args.val_path or not (train.is_dir() and val.is_dir()):
+    if not args.data_path or args.val_path or not train.is_dir():
         return
-    classes, (val_classes, loose) = _class_folders(str(train), {})[0], _class_folders(str(val), {})
-    if not classes:  # train/ holds images itself: D's classes are "train" and "val"
+    classes = _class_folders(str(train), {})[0]
+    if not classes:  # train/ holds images itself: a class named "train"
         return
-    images = sum(path.lower().endswith(IMG_EXTENSIONS) for path, _ in loose)
+    if not val.is_dir():
+        raise DataError(f"{train} holds class folders, but {root} has no val/ beside it, so its "
+                        f"own folders would be taken as classes; give --data-path {train} (which "
+                        "holds out --val-rate of it), and --val-path FOLDER to validate on one.")
+    val_classes, loose = _class_folders(str(val), {})
+    images = sum(path.lower().endswith(IMG_EXTENSIONS) and not Path(path).name.startswith(".")
+                 for path, _ in loose)  # macOS's ._x.JPEG: no image, and never read
     if images or not val_classes:
         what = f"{images} image(s) outside its class folders" if val_classes else "no class folders"
         raise DataError(f"{val} holds {what} (ILSVRC2012's validation images come in one folder, "

@@ -290,7 +290,7 @@ def load_model(ckpt: dict[str, Any], model: nn.Module) -> None:
 
 def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
-            images_per_step: int, ema: nn.Module | None = None
+            images_per_step: int, *, ema: nn.Module | None = None
             ) -> tuple[int, float, float, list[dict], EpochProgress]:
     """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
     schedule at the next epoch, or at the epoch a stop interrupted. Returns (start epoch, best

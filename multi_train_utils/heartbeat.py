@@ -37,7 +37,7 @@ class Heartbeat:
         self.stop()
         store = dist.distributed_c10d._get_default_store()  # torchrun's, or init_process_group's
         self.store, self.rank, self.world_size, self.limits = store, rank, world_size, limits
-        self.node, self._stop, self._fast_in = socket.gethostname(), threading.Event(), 0
+        self.node, self._stop, self._long_until = socket.gethostname(), threading.Event(), None
         self.nccl = dist.get_backend() == "nccl"
         with contextlib.suppress(OSError):  # a pid names this process in its namespace only
             self.node += os.readlink("/proc/self/ns/pid")
@@ -57,12 +57,12 @@ class Heartbeat:
         if before.get("phase") in SLOW_PHASES and phase not in SLOW_PHASES:
             self.own, self.read = 0.0, now  # the steps that follow are measured afresh
         self.place = {**before, **where, "phase": phase, "since": now, "wall": time.time()}
-        # Short again at the forward after the first gradient all-reduce ("backward"; a
-        # micro-batch of --grad-accum-steps reduces nothing) since a slow phase: all ranks met.
-        met = phase == ("backward" if self._fast_in == 2 else "forward")
-        if phase in SLOW_PHASES or self._fast_in and met:
-            self._fast_in = 2 if phase in SLOW_PHASES else self._fast_in - 1
-            self.limit = self.limits[self._fast_in == 0]
+        # The long limit from a slow phase until the forward after the first gradient all-reduce
+        # ("backward"; a micro-batch of --grad-accum-steps reduces nothing): all ranks met there.
+        if phase in SLOW_PHASES or phase == self._long_until:
+            self._long_until = ("backward" if phase in SLOW_PHASES
+                                else "forward" if phase == "backward" else None)
+            self.limit = self.limits[self._long_until is None]
             dist.set_timeout(datetime.timedelta(seconds=self.limit))
 
     def own_work(self) -> tuple[float, float]:

@@ -89,12 +89,15 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     log.info("the earlier run's files in %s were moved to %s", out, aside)
 
     def where_now(path: str | None) -> str | None:
-        # Folders resolved (runs/latest -> runs/b); not the file: a link among the run's moved too.
-        full = None if path is None else Path(path).absolute().parent.resolve() / Path(path).name
-        if full is None or not full.is_relative_to(root := out.resolve()):
-            return path
-        inside = full.relative_to(root)
-        return str(aside / inside) if inside.parts and out / inside.parts[0] in found else path
+        if path is None:
+            return None
+        root, given = out.resolve(), Path(path)  # links: runs/latest -> runs/b, best.pth -> ...
+        # The file resolved, else its folders alone: a link that was itself among the files moved.
+        for full in (given.resolve(), given.absolute().parent.resolve() / given.name):
+            inside = full.relative_to(root).parts if full.is_relative_to(root) else ()
+            if inside and out / inside[0] in found:
+                return str(aside.joinpath(*inside))
+        return path
 
     return where_now(resume_from), where_now(weights)
 

@@ -124,8 +124,9 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
         model.to_empty(device=device)  # this rank's shards, uninitialised until filled below
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
                                                                 broadcast_from_rank0=True))
-    # Rank 0's random state too: a build on the meta device draws no random numbers, so dropout
-    # would draw other masks there than after the same build on every rank (DDP).
+    # Rank 0's CPU random state too: a build on the meta device draws no random numbers, so a
+    # CPU run's dropout would draw other masks there than after the same build on every rank
+    # (DDP). CUDA's generators are not used by a build: the same on every rank already.
     rng = torch.get_rng_state().to(device)  # NCCL sends device tensors
     dist.broadcast(rng, src=0)
     torch.set_rng_state(rng.cpu())

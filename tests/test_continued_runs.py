@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from conftest import (LAUNCH, ROOT, TINY_FLAGS, assert_user_error, clone_run, fl
                       ranks, read_metrics)
 from multi_train_utils.checkpoint import NOT_COMPARED, changed_flags
 from multi_train_utils.guard import ConfigError
-from train_multi_gpu_using_launch import check_args, get_args_parser, run_defaults
+from train_multi_gpu_using_launch import check_args, get_args_parser, run_flags
 
 CONTRACT = ROOT / "docs" / "resume-and-restarts.md"
 
@@ -140,19 +141,21 @@ def test_resume_through_a_link_to_the_runs_own_folder_continues_it(reference_run
 
 def test_a_link_in_the_runs_path_still_finds_the_files_moved_aside(tmp_path):
     """``runs/latest -> runs/b``: a --resume or --weights file of the earlier run, named through
-    the other spelling of the folder, is read from where it was moved."""
+    the other spelling of the folder, or through a link to the file (``best.pth ->
+    runs/b/model_best.pth``), is read from where it was moved."""
     from multi_train_utils.run_folder import move_earlier_run
 
-    for linked in ("output-dir", "files"):  # the spelling through the link
+    for linked in ("output-dir", "files", "a link to the file"):  # the spelling through a link
         runs = tmp_path / linked
         (runs / "b" / "weights").mkdir(parents=True)
         for name in ("checkpoint.pth", "model_best.pth", "weights/model-0.pth"):
             (runs / "b" / name).write_text(name)
         (runs / "latest").symlink_to("b")
+        (runs / "best.pth").symlink_to("b/model_best.pth")
         out, named = ((runs / "latest", runs / "b") if linked == "output-dir"
                       else (runs / "b", runs / "latest"))
-        resume, weights = move_earlier_run(out, str(named / "model_best.pth"),
-                                           str(named / "weights" / "model-0.pth"))
+        best = runs / "best.pth" if linked == "a link to the file" else named / "model_best.pth"
+        resume, weights = move_earlier_run(out, str(best), str(named / "weights" / "model-0.pth"))
         (stamp,) = (runs / "b" / "previous-runs").iterdir()
         assert Path(resume).read_text() == "model_best.pth", linked
         assert Path(weights).read_text() == "weights/model-0.pth", linked
@@ -233,32 +236,35 @@ def test_eval_only_takes_model_and_size_from_the_checkpoint_and_refuses_others(
 # ---------------------------------------------------------------- the model, at the run's sizes
 def test_a_continued_run_checks_the_runs_model_at_its_size_and_batch(reference_run, tiny_data,
                                                                      tmp_path, plain):
-    """resnet18 at 32 px from the checkpoint, continued in one process with --batch-size 1: its
-    layer4 BatchNorm would see one value per channel. One line, before anything trains."""
+    """resnet18 at 32 px from its best epoch (``--resume <out>/model_best.pth``: a new run in
+    the folder, which moves the earlier one aside), in one process with --batch-size 1: its
+    layer4 BatchNorm would see one value per channel. One line, before any file moves."""
     out = clone_run(reference_run.out, tmp_path / "run")
-    before = (out / "checkpoint.pth").read_bytes()
-    res = plain(without_model_flags(flags(tiny_data, out, "--epochs", "4", "--batch-size", "1")))
+    shutil.copy2(reference_run.out / "model_best.pth", out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    res = plain(without_model_flags(flags(tiny_data, out, "--epochs", "4", "--batch-size", "1",
+                                          "--resume", str(out / "model_best.pth"))))
     assert_user_error(res, "--model resnet18 cannot train on --batch-size 1 at --img-size 32: "
                       "BatchNorm would see one value per channel (",
                       "); raise --batch-size or --img-size.")
-    assert "applied" not in res.stderr and (out / "checkpoint.pth").read_bytes() == before
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_the_model_check_takes_the_runs_model_and_the_processes_batchnorm(tmp_path):
     """A squeezenet1_1 run at 32 px continued at --img-size 16 (no --model: the run's) is
-    refused. A batch of 1 per process trains where BatchNorm sees more: SyncBatchNorm over two
-    processes, --freeze-layers (BatchNorm in eval mode), or --eval-only."""
+    refused. A batch of 1 per process is not refused where BatchNorm sees more: SyncBatchNorm
+    over two processes, --freeze-layers (BatchNorm in eval mode), or --eval-only."""
     out = tmp_path / "run"
     out.mkdir()
     torch.save({"args": {"model": "squeezenet1_1", "img_size": 32}}, out / "checkpoint.pth")
 
     def complete(*argv: str, world_size: int = 1, run: Path | None = out / "checkpoint.pth"
-                 ) -> argparse.Namespace:
+                 ) -> dict:
         args, defaults = check_args(get_args_parser().parse_args(["--output-dir", str(out),
                                                                   *argv]), world_size)
-        return run_defaults(args, run and str(run), defaults, world_size)
+        return run_flags(args, run and str(run), defaults, world_size)
 
-    assert complete().img_size == 32
+    assert complete()["img_size"] == 32
     with pytest.raises(ConfigError, match=r"^--model squeezenet1_1 cannot take --img-size 16 "
                        r"crops \(Given input size: \(256x1x1\)\. .*\); use 224\.$"):
         complete("--img-size", "16")

@@ -30,7 +30,7 @@ from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from predict import load_predictor
 from test_bad_data import make_class
 from train_multi_gpu_using_launch import (RUN_DEFAULTS, check_args, get_args_parser,
-                                          run_defaults)
+                                          run_flags)
 from utils import DataError, get_transforms, imagenet_layout
 
 
@@ -440,13 +440,34 @@ def test_imagenet_layout_refuses_a_flat_val_or_one_of_other_classes(tmp_path, va
         (d / "train" / name).mkdir(parents=True)
     (d / "val").mkdir()
     for name in val:
-        (d / "val" / name).touch() if name == LOOSE else (d / "val" / name).mkdir()
+        if name == LOOSE:
+            (d / "val" / name).touch()
+        else:
+            (d / "val" / name).mkdir()
     (d / "val" / "LOC_val_solution.csv").touch()  # the labels: no image
     for eval_only in (False, True):  # --eval-only --data-path D reads D/val alone
         with pytest.raises(DataError) as err:
             imagenet_layout(argparse.Namespace(data_path=str(d), val_path=None,
                                                eval_only=eval_only))
         assert str(err.value).startswith(message.format(d=d))
+
+
+def test_imagenet_layout_needs_val_and_ignores_hidden_files(tmp_path):
+    """train/ of class folders beside valid/ (not val/): one line, not a model of "train"
+    against "valid"; a hidden file in val/ (macOS's ``._`` metadata) is not a loose image."""
+    d = tmp_path / "in"
+    for name in ("n01", "n02"):
+        (d / "train" / name).mkdir(parents=True)
+        (d / "valid" / name).mkdir(parents=True)
+    args = argparse.Namespace(data_path=str(d), val_path=None, eval_only=False)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(d))}/train holds class folders, but "
+                       rf"{re.escape(str(d))} has no val/ beside it, so its own folders would be "
+                       "taken as classes; give --data-path "):
+        imagenet_layout(args)
+    (d / "valid").rename(d / "val")
+    (d / "val" / "._ILSVRC2012_val_00000001.JPEG").touch()
+    imagenet_layout(args)
+    assert (args.data_path, args.val_path) == (str(d / "train"), str(d / "val"))
 
 
 def test_a_flat_val_folder_is_one_line_not_a_model_of_train_against_val(tmp_path, plain):
@@ -545,24 +566,24 @@ def test_every_command_of_recipes_md_parses_and_builds_its_model_here():
     text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
     commands = re.findall(r"^\$L (.*?)(?<!\\)$", text.replace("\\\n", " "), re.M)
     assert len(commands) == 4, commands
-    for command in commands:  # run_defaults builds the model at both crop sizes, and trains
+    for command in commands:  # run_flags builds the model at both crop sizes, and trains
         args, defaults = check_args(get_args_parser().parse_args(shlex.split(command)), 8)
         assert not args.scale_lr and args.opt in ("sgd", "rmsprop", "adamw")
         assert defaults["val_crop_size"] == 224
-        run_defaults(args, None, defaults, 8)
+        run_flags(args, None, defaults, 8)
 
 
 def test_vit_weights_by_name_set_the_crop_size_they_were_trained_at():
     """ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1 is torchvision's vit_b_16 at 384 px: --img-size
     defaults to 384 (the model is built for it); another size is one line."""
-    def complete(*argv: str) -> argparse.Namespace:
+    def complete(*argv: str) -> dict:
         args, defaults = check_args(get_args_parser().parse_args(
             ["--model", "vit_b_16", "--weights", "ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1",
              *argv]), 1)
-        return run_defaults(args, None, defaults, 1)
+        return run_flags(args, None, defaults, 1)
 
-    assert complete().img_size == 384
-    assert complete("--img-size", "384", "--val-crop-size", "384").img_size == 384
+    assert complete()["img_size"] == 384
+    assert complete("--img-size", "384", "--val-crop-size", "384")["img_size"] == 384
     with pytest.raises(ConfigError, match=r"^--weights ViT_B_16_Weights\.IMAGENET1K_SWAG_E2E_V1 "
                        r"is for 384 px crops \(its position embeddings fit that size alone\); "
                        r"use --img-size 384\.$"):
