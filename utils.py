@@ -204,6 +204,8 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
     if not classes:  # --data-path flower_photos/roses: a class folder, holding images itself
         hint = (f"; it holds images itself: did you mean {os.path.dirname(os.path.abspath(root))}?"
                 if any(p.lower().endswith(IMG_EXTENSIONS) for p, _ in skipped) else ".")
+        if min_classes == 1 and hint != ".":  # --val-path: ILSVRC2012's validation set, as it ships
+            hint = "; it holds images itself: sort them into folders named as the training classes."
         raise DataError(f"data path {root} has no class sub-folders; expected {LAYOUT}{hint}")
     if len(classes) < min_classes:
         raise DataError(f"data path {root} has {len(classes)} class folder(s) ("

@@ -189,6 +189,10 @@ def _deny(monkeypatch, *denied: Path) -> None:
     ("class_folder", "data path {root} has no class sub-folders; expected one sub-folder of "
                      "images per class (e.g. flower_photos/daisy/*.jpg); it holds images "
                      "itself: did you mean {parent}?"),
+    # --val-path ILSVRC2012/val: its 50,000 images in one folder, as it ships
+    ("flat_val", "data path {root} has no class sub-folders; expected one sub-folder of images "
+                 "per class (e.g. flower_photos/daisy/*.jpg); it holds images itself: sort them "
+                 "into folders named as the training classes."),
     ("one_class", "data path {root} has 1 class folder(s) (a); at least 2 are needed, one "
                   "sub-folder of images per class"),
     ("empty_class", "class folder {root}/b has no usable image (skipped 2 files, e.g. "
@@ -205,7 +209,7 @@ def test_layout_mistakes_are_one_sentence_naming_the_path(tmp_path, monkeypatch,
     elif case == "unreadable":
         two_class_data(root, 1)
         _deny(monkeypatch, root)
-    elif case == "class_folder":
+    elif case in ("class_folder", "flat_val"):
         root.mkdir()
         write_jpeg(root / "a.jpg", 0)
     elif case == "one_class":
@@ -219,7 +223,7 @@ def test_layout_mistakes_are_one_sentence_naming_the_path(tmp_path, monkeypatch,
         two_class_data(root, 1)
         (root / "roses").symlink_to(tmp_path / "nas" / "roses", target_is_directory=True)
     with pytest.raises(DataError) as err:
-        scan_image_folder(root)
+        scan_image_folder(root, min_classes=1 if case == "flat_val" else 2)  # 1: a --val-path
     assert str(err.value).startswith(message.format(root=root, parent=tmp_path))
     assert "\n" not in str(err.value)
 
