@@ -154,25 +154,38 @@ def check_model(name: str, img_size: int, weights: str | None = None, *,
     if (fixed := weights_size(name, weights)) not in (None, img_size):
         raise ConfigError(f"--weights {weights} is for {fixed} px crops (its position embeddings "
                           f"fit that size alone); use --img-size {fixed}.")
-    # (flag, batch, crop size): evaluation at each crop, then a training step (BatchNorm).
-    checks = [("--img-size", 1, img_size), *((f, 1, s) for f, s in (crops or {}).items())]
-    checks += [("--batch-size", train_batch, img_size)] if train_batch else []
-    flag, batch, size = checks[0]  # named if the build fails (a ViT's size: a multiple of 16)
     try:
-        with torch.device("meta"), torch.no_grad():
+        with torch.device("meta"):
             model = get_model(name, num_classes=2, img_size=img_size)
-            for flag, batch, size in checks:
-                model.train(flag == "--batch-size")(torch.empty(batch, 3, size, size))
     except NotImplementedError:  # RegNet computes its widths with tensors, which meta lacks;
         return  # it takes any size
+    except (RuntimeError, AssertionError, ValueError) as exc:  # a ViT's size: a multiple of 16
+        raise ConfigError(f"--model {name} cannot take --img-size {img_size} crops "
+                          f"({_first_line(exc)}); use 224.") from None
+    for flag, size in [("--img-size", img_size), *(crops or {}).items()]:
+        if reason := _forward_fails(model.eval(), 1, size):
+            raise ConfigError(f"--model {name} cannot take {flag} {size} crops ({reason}); use "
+                              f"{img_size if size != img_size else 224}.")
+    if train_batch and (reason := _forward_fails(model.train(), train_batch, img_size)):
+        raise ConfigError(f"--model {name} cannot train on --batch-size {train_batch} at "
+                          f"--img-size {img_size}: BatchNorm would see one value per channel "
+                          f"({reason}); raise --batch-size or --img-size.")
+
+
+def _forward_fails(model: nn.Module, batch: int, size: int) -> str:
+    """Why ``model`` (on the meta device) cannot take ``batch`` crops of ``size``, or ''."""
+    try:
+        with torch.no_grad():
+            model(torch.empty(batch, 3, size, size, device="meta"))
+    except NotImplementedError:  # an operation meta lacks: not checked here
+        return ""
     except (RuntimeError, AssertionError, ValueError) as exc:
-        reason = (str(exc) or type(exc).__name__).splitlines()[0]
-        if flag == "--batch-size":
-            raise ConfigError(f"--model {name} cannot train on --batch-size {batch} at --img-size "
-                              f"{size}: BatchNorm would see one value per channel ({reason}); "
-                              "raise --batch-size or --img-size.") from None
-        raise ConfigError(f"--model {name} cannot take {flag} {size} crops ({reason}); use "
-                          f"{img_size if size != img_size else 224}.") from None
+        return _first_line(exc)
+    return ""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0]
 
 
 def _weights_enum(value: str, model_name: str) -> Any:
@@ -202,15 +215,16 @@ def named_weights(value: str, model_name: str) -> dict[str, Tensor] | None:
         return {k: v for k, v in state.items() if not k.startswith(aux)}
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         # urllib's URLError: no network; else a cut download, or a web page saved as the file
+        path = os.path.join(folder, file)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--weights {value}: {file} is not in the torch hub cache and could "
+                              f"not be downloaded ({getattr(exc, 'reason', exc)}); download "
+                              f"{weights.url} into {folder}.") from None
         reason = re.split(r"\. |\n", f"{type(exc).__name__}: {exc}")[0]  # torch's: a paragraph
-        if os.path.isfile(path := os.path.join(folder, file)) and isinstance(exc, OSError):
+        if isinstance(exc, OSError):
             raise ConfigError(f"--weights {value}: {path} cannot be read ({reason}).") from None
-        if os.path.isfile(path):
-            raise ConfigError(f"--weights {value}: {path} is damaged ({reason}); delete it to "
-                              f"download it again, or put a copy of {weights.url} there.") from None
-        raise ConfigError(f"--weights {value}: {file} is not in the torch hub cache and could "
-                          f"not be downloaded ({getattr(exc, 'reason', exc)}); download "
-                          f"{weights.url} into {folder}.") from None
+        raise ConfigError(f"--weights {value}: {path} is damaged ({reason}); delete it to "
+                          f"download it again, or put a copy of {weights.url} there.") from None
     finally:
         socket.setdefaulttimeout(timeout)
 
