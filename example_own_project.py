@@ -12,14 +12,14 @@ features).
 """
 
 import argparse
-from functools import partial
-from pathlib import Path
+import os
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from multi_train_utils.checkpoint import load_file, save_atomic, step_saves, unwrap
+from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, TrainState,
+                                          step_saves)
 from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, is_main_process
 from multi_train_utils.guard import guarded, stop_requests
 from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
@@ -38,18 +38,16 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(info.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    checkpoint = Path(args.output_dir) / "checkpoint.pth"
-    start_epoch, progress = 0, EpochProgress()
-    if checkpoint.exists():  # continue: every rank reads the same weights, optimizer and place
-        state = load_file(checkpoint)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if state["in_epoch"]:  # stopped part-way: the same epoch, from the step it saved
-            start_epoch, progress = state["epoch"], EpochProgress(**state["in_epoch"])
-        else:
-            start_epoch = state["epoch"] + 1
+    # What a rerun continues from: each part has state_dict()/load_state_dict(); one of your
+    # own is one more entry. Every rank reads the file; rank 0 writes it, atomically.
+    train = TrainState()  # the epoch, the place in it, the metrics so far
+    checkpointer = Checkpointer(args.output_dir, {
+        "model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train})
+    checkpoint = f"{args.output_dir}/checkpoint.pth"
+    if os.path.isfile(checkpoint):
+        checkpointer.load(checkpoint)  # stopped part-way: the same epoch, from its saved step
         if is_main_process():
-            print(f"continuing at epoch {start_epoch}, step {progress.batches}", flush=True)
+            print(f"continuing at epoch {train.epoch}, step {train.progress.batches}", flush=True)
     if info.distributed:  # DDP checks that every rank starts from the same weights
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
@@ -62,33 +60,27 @@ def main(args: argparse.Namespace) -> None:
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler)
     val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler)
 
-    def save(epoch: int, progress: EpochProgress | None = None) -> None:
-        """Every rank calls it; rank 0 writes (atomically: a kill leaves the previous file)."""
-        place = None if progress is None else {
-            "batches": progress.batches, "samples": progress.samples,
-            "batches_in_epoch": progress.batches_in_epoch}
-        if is_main_process():
-            save_atomic({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                         "epoch": epoch, "in_epoch": place}, checkpoint)
-
     # In this block a stop signal only asks to stop: after each optimizer step the ranks agree
     # whether to (step_saves), save where the epoch stands, and stop.stop() exits.
     with stop_requests() as stop:
-        for epoch in range(start_epoch, args.epochs):
-            train_sampler.set_epoch(epoch, skip=progress.samples)  # a new shuffle; a stopped
-            loss = train_one_epoch(                                # epoch deals only its rest
-                model, optimizer, train_loader, info.device, epoch, progress=progress,
-                after_step=step_saves(stop, partial(save, epoch), every=args.save_every_steps))
-            if progress.stopped:  # saved at the step every rank stopped after
+        for epoch in range(train.epoch, args.epochs):
+            train.epoch = epoch
+            train_sampler.set_epoch(epoch, skip=train.progress.samples)  # a new shuffle; a
+            loss = train_one_epoch(                       # stopped epoch deals only its rest
+                model, optimizer, train_loader, info.device, epoch, progress=train.progress,
+                after_step=step_saves(stop, checkpointer.save, every=args.save_every_steps))
+            if train.progress.stopped:  # saved at the step every rank stopped after
                 stop.stop()  # exit code 128 + the signal, and a line saying to rerun
             result = evaluate(model, val_loader, info.device)  # exact, summed over all ranks
-            save(epoch)
+            record = {"epoch": epoch, "train_loss": loss, "val_acc": result.top1}
+            train.metrics.append(record)
+            train.progress = EpochProgress()  # the epoch is done: no place in it to save
+            checkpointer.save(record=record)
             if is_main_process():
                 print(f"epoch {epoch}: train loss {loss:.4f}  val accuracy {result.top1:.4f} "
                       f"({result.correct}/{result.num_samples})", flush=True)
             if stop.poll(lag=False):  # a signal during evaluation or the save
                 stop.stop()
-            progress = EpochProgress()
     cleanup()
 
 

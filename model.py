@@ -26,7 +26,7 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from multi_train_utils.checkpoint import load_pretrained
+from multi_train_utils.checkpoint_io import load_pretrained
 from multi_train_utils.guard import ConfigError
 
 log = logging.getLogger("train")
@@ -243,7 +243,8 @@ def classifier_name(model: nn.Module) -> str:
 
 def load_weights(model: nn.Module, weights: str, model_name: str, strict: bool = False) -> None:
     """``--weights``: a file, or torchvision's weights by name (:func:`named_weights`), loaded as
-    far as it fits (:func:`~multi_train_utils.checkpoint.load_pretrained`): the logits layer new."""
+    far as it fits (:func:`~multi_train_utils.checkpoint_io.load_pretrained`): the logits layer
+    new."""
     load_pretrained(model, weights, strict, head=classifier_name(model),
                     state=named_weights(weights, model_name))
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from model import check_model, classifier_name, get_model
-from multi_train_utils.checkpoint import extract_state_dict, load_file, save_atomic
+from multi_train_utils.checkpoint_io import extract_state_dict, load_file, save_atomic
 from multi_train_utils.distributed_utils import pick_device
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import prepare_images

@@ -15,21 +15,22 @@ the same weights after each step (fsdp: 1/N of them each). The spawn launcher ru
 
 import argparse
 import logging
-import math
 import os
 import time
 from functools import partial
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from model import check_model, freeze_backbone, get_model, load_weights, weights_size
-from multi_train_utils.checkpoint import (load_checkpoint, load_model, recorded_defaults,
-                                          restore, save_checkpoint, step_saves)
+from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
+                                          TrainState, compare_flags, step_saves)
+from multi_train_utils.checkpoint_io import CheckpointError, load_file
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
-                                                 cpus_per_process, get_world_size,
+                                                 cpus_per_process, get_rank, get_world_size,
                                                  init_distributed_mode, register_comm_hook,
                                                  run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
@@ -39,7 +40,7 @@ from multi_train_utils.recipe import (OPTIMIZERS, SCHEDULES, BatchMix, ModelEma,
                                       lr_schedule, make_optimizer, resolve_recipe)
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
+from multi_train_utils.train_eval_utils import (ResumableSampler, evaluate,
                                                format_report, resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
 from utils import (AUTO_AUGMENT, BoolFlag, HelpFormatter, augment_flags, default_demo_root,
@@ -48,8 +49,6 @@ from utils import (AUTO_AUGMENT, BoolFlag, HelpFormatter, augment_flags, default
                    write_json_atomic, write_scan_files)
 
 log = logging.getLogger("train")
-RUN_DEFAULTS = {"model": "resnet34", "img_size": 224,  # unless the run resumed had others
-                "val_resize_size": None, "val_crop_size": None, "interpolation": "bilinear"}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -127,59 +126,60 @@ def main(args: argparse.Namespace) -> None:
         register_comm_hook(model, args.comm_hook)
     if args.compile:
         model = torch.compile(model)
+    check = partial(continued_run, path=ckpt_path, classes=classes)  # and flags, if it trains
     if args.eval_only:  # the model alone (--weights: loaded above); it needs no optimizer
         if ckpt_path:
-            load_model(load_checkpoint(ckpt_path, args, classes), model_without_ddp)
+            Checkpointer(out, {"model": ModelState(model_without_ddp)}).load(ckpt_path, check)
         log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
                                         channels_last=channels_last), classes))
         return cleanup()
 
-    # 4. Optimizer and schedule: SGD on a cosine, or torchvision's recipe (--opt, ...: recipe.py).
+    # 4. Optimizer: SGD by default, or torchvision's recipe (--opt, ...: recipe.py).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
     optimizer = make_optimizer(model_without_ddp, args, images_per_step)  # SGD by default
-    scheduler = lr_schedule(optimizer, args)  # a LambdaLR, once per epoch
     ema = ModelEma.create(model_without_ddp, args, images_per_step, device)  # --model-ema
     mix = BatchMix.create(args, len(classes))  # --mixup-alpha, --cutmix-alpha
 
-    # 5. Resume: weights, optimizer, RNG, the schedule's place and the epoch's (its next batch).
-    start_epoch, best_acc, best_loss, history, progress = 0, 0.0, math.inf, [], EpochProgress()
+    # 5. Resume: each resumable part registered once; loading and saving are one call each.
+    train = TrainState(classes, run_args(args, info, images_per_step), file_list=scan.digest)
+    checkpointer = Checkpointer(out, {
+        "model": ModelState(model_without_ddp),
+        "optimizer": OptimizerState(model_without_ddp, optimizer), "scaler": scaler,
+        "model_ema": ema, "rng_states": RNGState(), "train": train}, keep_last=args.keep_last)
     if ckpt_path:
-        ckpt = load_checkpoint(ckpt_path, args, classes, inert_flags(model_without_ddp))
-        start_epoch, best_acc, best_loss, history, progress = restore(
-            ckpt, model_without_ddp, optimizer, scheduler, scaler, images_per_step, ema=ema)
-        scan.resume_epoch(progress, ckpt, out, train_paths)  # a stopped epoch: its own images
-    run_on_main(write_metrics, out, history)  # each finished epoch once, as the checkpoint says
-    if start_epoch >= args.epochs:
+        checkpointer.load(ckpt_path, partial(check, flags=train.flags, lr=optimizer.param_groups[
+            0]["lr"], inert=inert_flags(model_without_ddp)))
+        scan.resume_epoch(train.progress, train.saved, out, train_paths)  # its own images
+    scheduler = lr_schedule(optimizer, args, start_epoch=train.epoch)  # a LambdaLR, per epoch
+    run_on_main(write_metrics, out, train.metrics)  # each finished epoch once, as saved
+    if train.epoch >= args.epochs:
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
-                 start_epoch - 1, args.epochs)
+                 train.epoch - 1, args.epochs)
         return cleanup()
     run_on_main(write_scan_files, out, scan)  # rank 0 alone writes: the others would race
-    run_on_main(write_json_atomic, out / "args.json", run_args(args, info, images_per_step))
-    writer = tensorboard_writer(out, start_epoch, train_set) if args.tensorboard else None
+    run_on_main(write_json_atomic, out / "args.json", train.flags)
+    writer = tensorboard_writer(out, train.epoch, train_set) if args.tensorboard else None
     log.info("%d process(es) on %s, %d images per step, lr %.3g, %d loader workers, amp %s, "
              "epochs %d-%d", info.world_size, device, images_per_step,
-             optimizer.param_groups[0]["lr"], workers, amp_dtype, start_epoch, args.epochs - 1)
+             optimizer.param_groups[0]["lr"], workers, amp_dtype, train.epoch, args.epochs - 1)
 
     # 6. Epochs; the loss and accuracy are already reduced over all ranks. At a stop signal the
     # ranks agree on a step, save there and exit; the same command continues at that batch.
     with stop_requests() as stop:
-        for epoch in range(start_epoch, args.epochs):
-            train_sampler.set_epoch(epoch, skip=progress.samples, indices=progress.indices)
+        for epoch in range(train.epoch, args.epochs):
+            train.epoch = epoch
+            train_sampler.set_epoch(epoch, skip=train.progress.samples,
+                                    indices=train.progress.indices)
             train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
-            state = {"epoch": epoch, "best_acc": best_acc, "best_loss": best_loss,
-                     "classes": classes, "args": run_args(args, info, images_per_step),
-                     "metrics": history, "file_list": progress.file_list or scan.digest}
-            save = partial(save_checkpoint, out, model_without_ddp, optimizer, scaler, state,
-                           ema=ema)
             t0 = time.perf_counter()
             train_loss = train_one_epoch(
                 model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
                 grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
-                print_freq=args.print_freq, channels_last=channels_last, progress=progress,
-                after_step=step_saves(stop, save, every=args.save_every_steps),
+                print_freq=args.print_freq, channels_last=channels_last, progress=train.progress,
+                after_step=step_saves(stop, checkpointer.save, every=args.save_every_steps),
                 label_smoothing=args.label_smoothing, mix=mix, ema=ema)
-            if progress.stopped:  # saved at the step every rank stopped after
+            if train.progress.stopped:  # saved at the step every rank stopped after
                 stop.stop()
             train_seconds, lr = time.perf_counter() - t0, optimizer.param_groups[0]["lr"]
             scheduler.step()
@@ -189,18 +189,13 @@ def main(args: argparse.Namespace) -> None:
             images = len(train_loader) * args.batch_size * info.world_size
             record = epoch_record(epoch, train_loss, result, lr, time.perf_counter() - t0,
                                   images_per_sec=images / train_seconds, ema=ema_result)
-            history.append(record)
-            is_best = (result.top1, -result.loss) > (best_acc, -best_loss)  # a tie: lower loss
-            if is_best:
-                best_acc, best_loss = result.top1, result.loss
-            state.update(best_acc=best_acc, best_loss=best_loss)
+            is_best = train.end_epoch(record, result.top1, result.loss)  # no place left in it
             last = epoch + 1 == args.epochs  # fsdp: its save also exports the last and best weights
-            save(record=record, is_best=is_best, keep_last=args.keep_last, final=last)
+            checkpointer.save(record=record, is_best=is_best, final=last)
             if writer:
                 log_epoch(writer, record)
             if not last and stop.poll(lag=False):  # a signal during evaluation or the save
                 stop.stop()
-            progress = EpochProgress()
     cleanup()
 
 
@@ -242,16 +237,77 @@ def check_args(args: argparse.Namespace, world_size: int
 def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
               world_size: int | None = None) -> dict[str, Any]:
     """The values of ``defaults``' flags for this run: given, else those of the run that made
-    ``path`` (:func:`recorded_defaults`), else ``defaults``; and its model checked at those crops
-    and at the batch its BatchNorm sees (SyncBatchNorm's: every process's). ``main`` asks rank 0
-    before an earlier run's files move aside, so a refused flag leaves them where they were."""
-    args = recorded_defaults(args, path, defaults)
-    world_size = world_size or get_world_size()
+    ``path`` (a checkpoint, or weights it saved), else ``defaults``; and its model checked at
+    those crops and at the batch its BatchNorm sees (SyncBatchNorm's: every process's). ``main``
+    asks rank 0 before an earlier run's files move aside, so a refused flag leaves them there.
+    ``--eval-only`` refuses a given flag the file contradicts (a model scored at another size is
+    misjudged)."""
+    try:
+        saved = load_file(path).get("args", {}) if path else {}
+    except (CheckpointError, AttributeError):  # not there or not ours: said where it is used
+        saved = {}
+    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
+    if args.eval_only and (differ := [f"--{k.replace('_', '-')} {v} (it has {saved[k]})"
+                                      for k, v in given.items() if saved.get(k, v) != v]):
+        raise CheckpointError(f"{path} was trained with other flags than {', '.join(differ)}; "
+                              "drop them: --eval-only takes them from the file.")
+    run = {**defaults, **{k: saved[k] for k in defaults if k in saved}, **given}
     frozen = args.eval_only or args.freeze_layers  # BatchNorm in eval mode
-    check_model(args.model, args.img_size, args.weights,
-                crops={"--val-crop-size": args.val_crop_size or args.img_size},
-                train_batch=0 if frozen else args.batch_size * (world_size if args.sync_bn else 1))
-    return {k: getattr(args, k) for k in defaults}
+    batch = args.batch_size * ((world_size or get_world_size()) if args.sync_bn else 1)
+    check_model(run["model"], run["img_size"], args.weights,
+                crops={"--val-crop-size": run["val_crop_size"] or run["img_size"]},
+                train_batch=0 if frozen else batch)
+    return run
+
+
+def continued_run(state: dict[str, Any], *, path: str, classes: list[str],
+                  flags: dict[str, Any] | None = None, inert: Collection[str] = (),
+                  lr: float = 0.0) -> None:
+    """Whether the run that saved ``state`` goes on (every rank asks, before it is loaded): with
+    the same classes and, if it trains (``flags``: this run's, as recorded), the flags it may
+    not change (:func:`flag_changes`); the others changed are said, and apply from there."""
+    saved, part = state.get("args", {}), state.get("in_epoch")
+    refused, applied = flag_changes(saved, flags, inert) if flags else ([], [])
+    if state.get("classes", classes) != classes:
+        refused.append(f"the classes {classes} (the run had {state['classes']})")
+    if refused:
+        raise CheckpointError(f"{path} cannot be continued with {', '.join(refused)}; give the "
+                              "run's values to continue it, or start a new run with --resume "
+                              "none or another --output-dir.")
+    if flags and saved.get("images_per_step", flags["images_per_step"]) != (
+            steps := flags["images_per_step"]):
+        applied.append(f"{steps} images per step (the run had {saved['images_per_step']}), "
+                       f"lr {lr:.4g}")
+    if applied and get_rank() == 0:
+        start = state["epoch"] + (0 if part else 1)
+        log.warning("%s: applied from epoch %d%s", ", ".join(applied), start,
+                    f", step {part['batches']}" if part else "")
+
+
+def flag_changes(saved: dict[str, Any], flags: dict[str, Any], inert: Collection[str] = ()
+                 ) -> tuple[list[str], list[str]]:
+    """The flags a continued run gives other values than the run ``saved``: (refused, applied),
+    by :data:`REFUSED` and :data:`ONE_RUN_ONLY`. ``inert`` (``recipe.inert_flags``): flags this
+    model does not use, never refused."""
+    given = {k: v for k, v in flags.items() if k not in NOT_COMPARED}
+    if not (saved.get("ra_sampler") or given.get("ra_sampler")):  # no repeats: --ra-reps unused
+        inert = {*inert, "ra_reps"}
+    return compare_flags(saved, given, lambda key: key not in inert and (
+        key in REFUSED or key in ONE_RUN_ONLY and None in (given[key], saved[key])))
+
+
+# A continued run compares each flag with the run's (docs/resume-and-restarts.md). Refused:
+# another value would put validation images into training (the split), or the saved state would
+# not fit (the parameters, their training: the optimizer state's kind, the stopped epoch's order).
+REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights", "opt", "ra_sampler", "ra_reps")
+# Refused when given to one run only: --val-path moves images between training and validation;
+# a weight decay of its own changes the optimizer's groups.
+ONE_RUN_ONLY = ("val_path", "norm_weight_decay", "bias_weight_decay",
+                "transformer_embedding_decay")
+NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
+# Not given, these are the run's (run_flags); a new run's defaults:
+RUN_DEFAULTS = {"model": "resnet34", "img_size": 224, "val_resize_size": None,
+                "val_crop_size": None, "interpolation": "bilinear"}
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:

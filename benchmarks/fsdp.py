@@ -8,7 +8,7 @@ the template's before, for the first model only), every rank, as the training sc
 - takes ``--steps`` momentum-SGD steps on synthetic ``--batch-size`` batches of ``--img-size``:
   the peak over training, the step time, and the bytes of parameters, gradients and optimizer
   state it holds (``local_bytes``);
-- saves one checkpoint (``save_checkpoint``: gathered to rank 0 under ddp, each rank's shards
+- saves one checkpoint (``Checkpointer.save``: gathered to rank 0 under ddp, each rank's shards
   under fsdp): seconds and bytes written.
 
 CPU (gloo) only: the peaks are host memory. The ranks are spawned and import this module.
@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from model import get_model
-from multi_train_utils.checkpoint import save_checkpoint
+from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
+                                          TrainState)
 from multi_train_utils.distributed_utils import cleanup, find_free_port, init_distributed_mode
 from multi_train_utils.strategy import shard_model
 
@@ -98,7 +99,9 @@ def fsdp_worker(local_rank: int, args: argparse.Namespace, name: str, setup: str
         out = Path(result_dir) / "run"
         barrier(info)
         start = time.perf_counter()
-        save_checkpoint(out, model, optimizer, scaler, {"epoch": 0})
+        parts = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
+                 "scaler": scaler, "rng_states": RNGState(), "train": TrainState()}
+        Checkpointer(out, parts).save()
         barrier(info)
         save_seconds = time.perf_counter() - start
         written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())

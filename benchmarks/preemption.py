@@ -3,7 +3,7 @@
 - the stop poll: ``train_one_epoch`` with the training script's ``after_step`` (every rank
   all-reduces its stop flag after each optimizer step, ``StopRequest.poll``) against without
   it, alternating on the same model and batches; the cost is the ratio of their img/s;
-- one mid-epoch save (``save_checkpoint`` with ``progress``, as at a signal or every
+- one mid-epoch save (``Checkpointer.save`` mid-epoch, as at a signal or every
   ``--save-every-steps``): seconds from every rank entering it to every rank leaving it, and
   the size of ``checkpoint.pth``. A stopped run exits at most one step plus this after the
   signal (one step more under NCCL, where the poll's answer is a step old);
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from multi_train_utils.checkpoint import save_checkpoint
+from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
+                                          TrainState)
 from multi_train_utils.distributed_utils import cleanup, find_free_port, init_distributed_mode
 from multi_train_utils.guard import stop_requests
 from multi_train_utils.heartbeat import HEARTBEAT
@@ -89,7 +90,9 @@ def preemption_worker(local_rank: int, args: argparse.Namespace, nprocs: int, po
                                  batches_in_epoch=2 * args.steps)
         barrier(info)
         start = time.perf_counter()
-        save_checkpoint(out, model, optimizer, scaler, {"epoch": 0}, progress=progress)
+        parts = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
+                 "scaler": scaler, "rng_states": RNGState(), "train": TrainState(progress=progress)}
+        Checkpointer(out, parts).save()
         barrier(info)
         save_seconds = time.perf_counter() - start
         result = {"seconds": seconds, "save_seconds": save_seconds, "backend": info.backend,

@@ -1,15 +1,25 @@
-"""Checkpoints that survive crashes: atomic saves, safe loads, resume (their folder: run_folder.py).
+"""One checkpointer of a run's resumable parts, each registered once; saving and loading are one
+call each, under DDP (one file) and FSDP (each rank's shards) alike.
 
-A run folder holds ``checkpoint.pth`` (everything to continue: model, optimizer, epoch, RNG,
-the run's flags and classes), ``model_best.pth`` (the same, of the best epoch),
-``weights/model-N.pth`` (bare state dicts, loadable by torchvision) and ``metrics.jsonl``.
-``checkpoint.pth`` is written last in each save, so it always marks a save that is complete.
-Under FSDP it names a folder of every rank's shards instead of holding the state; either kind
-resumes under either strategy, at any world size.
+    checkpointer = Checkpointer(out, {"model": ModelState(model),
+                                      "optimizer": OptimizerState(model, optimizer),
+                                      "scaler": scaler, "rng_states": RNGState(), "train": train})
+    checkpointer.load(path)   # --eval-only registers the model alone and loads only it
+    checkpointer.save()       # every rank calls it; an epoch's end: save(record=..., is_best=...)
+
+A part is anything with ``state_dict()`` and ``load_state_dict()`` (``Stateful``, as
+``torch.distributed.checkpoint`` and torchtitan's checkpointer take them): a new resumable piece
+of one's own is one more entry. A run folder holds ``checkpoint.pth`` (every part; written last,
+so it always marks a complete save), ``model_best.pth`` (the same, of the best epoch),
+``weights/model-N.pth`` (bare state dicts, as torchvision's) and ``metrics.jsonl``. The train
+state's fields (epoch, metrics, the run's flags, ...) are the file's top-level keys, as in
+torchvision's checkpoints. Under FSDP the model and optimizer are written as DCP shards to a
+folder ``checkpoint.pth`` names; either kind loads under either strategy, at any world size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -17,8 +27,8 @@ import os
 import random
 import re
 import shutil
-import zipfile
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,229 +36,250 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .checkpoint_io import (CheckpointError, extract_state_dict, load_file, save_atomic, unwrap,
+                            whole_state)
 from .distributed_utils import (all_gather_object, all_ranks_ok, get_rank, get_world_size,
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
-from .heartbeat import HEARTBEAT
-from .strategy import is_sharded, load_shards, read_shards, save_shards
+from .strategy import is_sharded, load_shards, save_shards
 from .train_eval_utils import EpochProgress
 
 log = logging.getLogger("train")
-# A continued run compares every flag the checkpoint recorded with its own (the table is in
-# docs/resume-and-restarts.md). These are refused: another value would put validation images
-# into training (the split), or the saved state would not fit (the parameters, their training).
-# Where the run is kept is not compared; every other change applies from the resumed step.
-# --opt and the RA sampler's: the optimizer state's kind, the stopped epoch's order. A
-# weight decay of a group given to only one run changes the optimizer's groups.
-REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights", "opt", "ra_sampler", "ra_reps")
-ONE_RUN_ONLY = ("val_path", "norm_weight_decay", "bias_weight_decay",
-                "transformer_embedding_decay")
-BEFORE_RECIPES = {  # what runs saved before torchvision's recipe flags trained with
-    "opt": "sgd", "lr_scheduler": "cosine", "lr_warmup_epochs": 0, "label_smoothing": 0.0,
-    "mixup_alpha": 0.0, "cutmix_alpha": 0.0, "auto_augment": None, "random_erase": 0.0,
-    "model_ema": False, "ra_sampler": False, "ra_reps": 3, "norm_weight_decay": None,
-    "bias_weight_decay": None, "transformer_embedding_decay": None}
-NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
+TRAIN = "train"  # the part whose fields are the file's top-level keys
+SHARDED = ("model", "optimizer")  # under FSDP: each rank's shards, in a DCP folder
 
 
-class CheckpointError(UserError):
-    """A file given as a checkpoint or weights cannot be used (one sentence, with the path)."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model under DDP and/or ``torch.compile`` (what is saved: no ``module.`` keys)."""
-    model = getattr(model, "_orig_mod", model)
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return getattr(model, "_orig_mod", model)
-
-
-def save_atomic(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` into a temp file beside ``path``, fsync, then rename: a crash at any point
-    leaves the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
-            raise exc.__context__ from None  # torch's zip writer hides a full disk behind this
-        raise
-
-
-def load_file(path: str | os.PathLike) -> Any:
-    """``torch.load`` on the CPU with ``weights_only=True``, memory-mapped (a tensor is read when
-    it is used); one sentence for an unusable file. A sharded checkpoint's ``shards`` folder is
-    given back as a full path."""
-    if not os.path.isfile(path):
-        what = "is a folder; give a file in it" if os.path.isdir(path) else "does not exist"
-        raise CheckpointError(f"{path} {what}.")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True,
-                         mmap=zipfile.is_zipfile(path))  # a legacy (not zip) file: no mmap
-        if isinstance(obj, dict) and isinstance(obj.get("shards"), str):
-            obj["shards"] = str(Path(path).parent / obj["shards"])
-        return obj
-    except Exception as exc:  # truncated, damaged, pickled objects, another format
-        detail = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().split("\n")[0][:160]
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint "
-                              f"({type(exc).__name__}: {detail}).") from None
-
-
-def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The model state dict in ``obj`` (ours, torchvision's or Lightning's checkpoint, or a bare
-    state dict), without the ``module.`` / ``_orig_mod.`` prefixes of wrappers."""
-    if isinstance(obj, dict) and "shards" in obj and "model" not in obj:  # saved under fsdp
-        try:
-            obj = read_shards(obj["shards"])
-        except Exception as exc:  # missing, or a save that never finished
-            raise CheckpointError(f"{path} names the shards {obj['shards']}, which cannot be "
-                                  f"read ({type(exc).__name__}); copy the whole run folder."
-                                  ) from None
-    for key in ("model", "state_dict", "model_state_dict"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-            break
-    if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
-        raise CheckpointError(f"{path} holds no model state dict (a dict of tensors, or a "
-                              "checkpoint with a 'model' entry).")
-    prefix = re.compile(r"(module\.|_orig_mod\.)")
-    while all(prefix.match(k) for k in obj):  # only when a wrapper prefixed every key
-        obj = {prefix.sub("", k, count=1): v for k, v in obj.items()}
-    return dict(obj)
-
-
-def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, head: str = "fc",
-                          state: dict[str, torch.Tensor] | None = None
-                          ) -> tuple[list[str], list[str]]:
-    """Load the tensors of ``path`` (or ``state``, read already; ``path`` then only names it)
-    whose names and shapes fit ``model``, e.g. all but a 1000-class classifier ``head`` (its
-    top-level module). Returns (the file's keys left out, the model's keys left as initialised).
-    Weights of another architecture (backbone shapes differ) are refused, not mixed in."""
-    state = extract_state_dict(load_file(path), path) if state is None else state
-    own = unwrap(model).state_dict()
-    other = [k for k in state if k in own and own[k].shape != state[k].shape
-             and not k.startswith(f"{head}.")]
-    if other or not any(k in own for k in state):
-        example = f" (e.g. {other[0]}: {list(state[other[0]].shape)})" if other else ""
-        raise CheckpointError(f"{path} does not fit this model{example}; were the weights made "
-                              "for another --model?")
-    fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-    unwrap(model).load_state_dict(fitting, strict=False)
-    return sorted(state.keys() - fitting.keys()), sorted(own.keys() - fitting.keys())
-
-
-def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: str = "fc",
-                    state: dict[str, torch.Tensor] | None = None) -> None:
-    """``--weights``: start from every tensor that fits, and say what did not; ``head`` and
-    ``state`` as in :func:`load_matching_weights`. ``strict`` (evaluation): every tensor of the
-    model must come from the file."""
-    skipped, missing = load_matching_weights(model, path, head=head, state=state)
-    if strict and missing:
-        raise CheckpointError(f"{path} does not fit this model and data ({len(missing)} "
-                              f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
-                              "accuracy would be meaningless; pass its --model and data.")
-    total = len(unwrap(model).state_dict())
-    new = sorted({k.rsplit(".", 1)[0] for k in missing if k.startswith(f"{head}.")})  # layers
-    log.info("loaded %s: %d of the model's %d tensors%s", path, total - len(missing), total,
-             f"; new for the data's classes: {', '.join(new)}" if new else "")
-    if any(not k.startswith(f"{head}.") for k in [*missing, *skipped]):
-        log.warning("%s and the model differ beyond the classifier (%d tensor(s) of the model "
-                    "not loaded, %d of the file unused)", path, len(missing), len(skipped))
-
-
-def load_checkpoint(path: str, args: Any, classes: list[str], inert: Collection[str] = ()
-                    ) -> dict[str, Any]:
-    """Every rank reads ``path`` itself (a machine may lack it) and checks that this run can go
-    on from it; all ranks raise the same error, so none waits alone in a collective."""
-    problem, ckpt = None, None
-    try:
-        ckpt = load_file(path)
-        if not isinstance(ckpt, dict) or not ({"model", "optimizer", "epoch"} <= ckpt.keys()
-                                              or {"shards", "epoch"} <= ckpt.keys()):
-            raise CheckpointError(f"{path} is not a training checkpoint (model, optimizer, "
-                                  "epoch); to start from its weights use --weights instead.")
-        if "shards" in ckpt and not os.path.isfile(os.path.join(ckpt["shards"], ".metadata")):
-            raise CheckpointError(f"{path} names the shards {ckpt['shards']}, which are not "
-                                  "there (complete); copy the whole run folder.")
-        refused, ckpt["changed_flags"] = ([], []) if args.eval_only else changed_flags(
-            ckpt.get("args", {}), args, inert)  # evaluation: recorded_defaults checks the flags
-        if ckpt.get("classes", classes) != classes:
-            refused.append(f"the classes {classes} (the run had {ckpt['classes']})")
-        if refused:
-            raise CheckpointError(f"{path} cannot be continued with {', '.join(refused)}; give "
-                                  "the run's values to continue it, or start a new run with "
-                                  "--resume none or another --output-dir.")
-    except UserError as exc:
-        problem = exc
-    if not all_ranks_ok(problem is None):
-        raise problem or CheckpointError(f"another process of the run could not use {path}; "
-                                         "every machine needs a readable copy.")
-    return ckpt
-
-
-def recorded_defaults(args: Any, path: str | None, defaults: dict[str, Any]) -> Any:
-    """``args`` with each of ``defaults``' flags that was not given taken from the run that made
-    ``path`` (a checkpoint, or weights it saved), else from ``defaults``. ``--eval-only``
-    refuses a given flag the file contradicts (a model scored at another size is misjudged)."""
-    try:
-        saved = load_file(path).get("args", {}) if path else {}
-    except (CheckpointError, AttributeError):  # not there or not ours: said where it is used
-        saved = {}
-    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
-    if args.eval_only and (differ := [f"--{k.replace('_', '-')} {v} (it has {saved[k]})"
-                                      for k, v in given.items() if saved.get(k, v) != v]):
-        raise CheckpointError(f"{path} was trained with other flags than {', '.join(differ)}; "
-                              "drop them: --eval-only takes them from the file.")
-    recorded = {k: saved[k] for k in defaults if k in saved}
-    return type(args)(**{**vars(args), **defaults, **recorded, **given})
-
-
-def changed_flags(saved: dict[str, Any], args: Any, inert: Collection[str] = ()
-                  ) -> tuple[list[str], list[str]]:
-    """The flags of ``args`` whose values differ from the run's ``saved`` ones, as ``--lr 0.05
-    (the run had 0.01)``: (refused, applied). ``inert`` (``recipe.inert_flags``): never refused."""
-    def flag(key: str, value: Any, bare: bool = False) -> str:
-        name = key.replace("_", "-")
-        if value is None:
-            return f"no --{name}"
-        if isinstance(value, bool):
-            return f"--{name}" if value else f"--no-{name}"
-        return str(value) if bare else f"--{name} {value}"
-
-    refused, applied, saved = [], [], {**BEFORE_RECIPES, **saved}
-    if not (saved["ra_sampler"] or vars(args).get("ra_sampler")):  # no repeats: --ra-reps unused
-        inert = {*inert, "ra_reps"}
-    for key, value in sorted(vars(args).items()):
-        if key in NOT_COMPARED or key not in saved or saved[key] == value:
-            continue
-        # --val-path given to only one run moves images between training and validation.
-        split = key in REFUSED or key in ONE_RUN_ONLY and None in (value, saved[key])
-        (refused if split and key not in inert else applied).append(
-            f"{flag(key, value)} (the run had {flag(key, saved[key], bare=True)})")
-    return refused, applied
-
-
-def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-                ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The model's and optimizer's state dicts (None without ``optimizer``) as whole tensors
-    keyed by parameter name, on the CPU of rank 0 (the others get ``{}``): the same under DDP
-    and FSDP, at any world size. Every rank must call it (FSDP gathers the shards, a tensor at a
-    time). On a CPU run the tensors are the live ones."""
+def _whole(cpu_offload: bool = False) -> Any:
+    """Options for whole tensors under FSDP too (``cpu_offload``: on rank 0's CPU, {} elsewhere)."""
     # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    model, options = unwrap(model), StateDictOptions(full_state_dict=True, cpu_offload=True)
-    optimizer_state = None if optimizer is None else get_optimizer_state_dict(
-        model, optimizer, options=options)
-    return get_model_state_dict(model, options=options), optimizer_state
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+
+
+class ModelState:
+    """The model's weights, keyed by name without wrappers' prefixes: saved whole on rank 0's
+    CPU (FSDP gathers a tensor at a time), loaded whole by every rank (FSDP keeps its shard)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = unwrap(model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return whole_state(self.model)[0]
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state, options=_whole())
+
+
+class OptimizerState:
+    """The optimizer's state (momentum buffers, ...), keyed by parameter name: it loads at any
+    world size and under either strategy. Its settings stay this run's (:func:`own_settings`)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = unwrap(model), optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_whole(True))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        groups = [{k: v for k, v in group.items() if k != "initial_lr"}  # the schedule's: laid
+                  for group in state["param_groups"]]  # out anew from this run's flags
+        with own_settings(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, {**state, "param_groups": groups},
+                                     options=_whole())
+
+
+@contextlib.contextmanager
+def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """An optimizer state loaded within keeps this run's settings (lr, momentum, weight decay:
+    its flags and world size), as a new run with these flags would have them."""
+    settings = [{k: v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups]
+    yield
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+
+
+class RNGState:
+    """Every rank's RNG states (torch, CUDA, Python, NumPy); loaded, each rank goes on with its
+    own (a rank the run did not have keeps its seed's)."""
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return all_gather_object(capture_rng_state())
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if get_rank() < len(states):
+            restore_rng_state(states[get_rank()])
+
+
+@dataclass
+class TrainState:
+    """The trainer's own part (torchtitan's ``train_state``): where the run stands. ``epoch`` is
+    the one training now, or after a load the one to start at; ``progress`` is the loop's place in
+    it (a fresh :class:`EpochProgress` between epochs: no place to save)."""
+
+    classes: list[str] = field(default_factory=list)
+    flags: dict[str, Any] = field(default_factory=dict)  # this run's, recorded in each save
+    file_list: str = ""  # a digest of the image list the epoch's order is drawn over
+    epoch: int = 0
+    best_acc: float = 0.0
+    best_loss: float = math.inf
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    progress: EpochProgress = field(default_factory=EpochProgress)
+    saved: dict[str, Any] = field(default_factory=dict)  # after a load: the file's entries
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank calls it: the epoch's loss so far is summed over the ranks."""
+        state = {"epoch": self.epoch, "best_acc": self.best_acc, "best_loss": self.best_loss,
+                 "classes": self.classes, "args": self.flags, "metrics": self.metrics,
+                 "file_list": self.progress.file_list or self.file_list}
+        part = self.progress
+        if part.batches_in_epoch:
+            loss_sum, count = reduce_value(part.loss, average=False).tolist()
+            state["in_epoch"] = {"batches": part.batches, "batches_in_epoch": part.batches_in_epoch,
+                                 "samples": part.samples, "loss_sum": loss_sum, "count": count}
+        return state
+
+    def end_epoch(self, record: dict[str, Any], top1: float, loss: float) -> bool:
+        """The epoch is done: its metrics line kept, no place in it left to save. Returns
+        whether it is the best so far (of a tie in accuracy, the lower validation loss)."""
+        self.metrics.append(record)
+        self.progress = EpochProgress()
+        best = (top1, -loss) > (self.best_acc, -self.best_loss)
+        if best:
+            self.best_acc, self.best_loss = top1, loss
+        return best
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved, part = state, state.get("in_epoch")
+        self.epoch = state["epoch"] + (0 if part else 1)
+        self.best_acc, self.best_loss = state.get("best_acc", 0.0), state.get("best_loss", math.inf)
+        self.metrics = [m for m in state.get("metrics", []) if m["epoch"] < self.epoch]
+        self.progress = EpochProgress()
+        if not part:
+            return
+        loss = [part["loss_sum"], part["count"]] if get_rank() == 0 else [0.0, 0.0]
+        self.progress = EpochProgress(part["batches"], part["samples"], part["batches_in_epoch"],
+                                      torch.tensor(loss, dtype=torch.float64))
+        world, size = state.get("args", {}).get("world_size", get_world_size()), get_world_size()
+        log.info("resuming from epoch %d, step %d of %d%s", self.epoch, part["batches"],  # rank 0
+                 part["batches_in_epoch"], f" of {world} processes; the rest of its samples go "
+                 f"to these {size}" if world != size else "")
+
+
+class Checkpointer:
+    """Saves and loads the registered ``states`` (name -> part; None: not in this run) in the run
+    folder ``out``. ``keep_last`` K keeps the newest K epochs' weights (0: all)."""
+
+    def __init__(self, out: str | os.PathLike, states: dict[str, Any], *, keep_last: int = 0,
+                 heartbeat: Any = None) -> None:
+        self.out, self.keep_last, self.heartbeat = Path(out), keep_last, heartbeat
+        self.states = {name: part for name, part in states.items() if part is not None}
+
+    def save(self, *, record: dict[str, Any] | None = None, is_best: bool = False,
+             final: bool = False) -> None:
+        """Every rank calls it; rank 0 writes. At an epoch's end (``record``: its metrics line)
+        also the epoch's weights, the best model and the metrics line; part-way ``checkpoint.pth``
+        alone. A stop signal waits until all is on disk. The ``final`` FSDP save also exports the
+        last and best weights."""
+        if self.heartbeat is not None:
+            self.heartbeat.at("saving")
+        model = self.states["model"].model
+        with signals_deferred():
+            state = {}
+            for name, part in self.states.items():
+                if is_sharded(model) and name in SHARDED:
+                    continue
+                value = part.state_dict()  # some gather from every rank: all call, in order
+                if name == TRAIN:
+                    state.update(value)
+                elif value != {}:  # a part with nothing to save: a disabled GradScaler
+                    state[name] = value
+            if is_sharded(model):
+                step = f"-step-{state['in_epoch']['batches']}" if "in_epoch" in state else ""
+                state["shards"] = f"shards/epoch-{state['epoch']}{step}"
+                save_shards(self.out / state["shards"], model, self.states["optimizer"].optimizer)
+            if is_main_process():
+                _write(self.out, state, record, is_best, self.keep_last)
+            if final and is_sharded(model):
+                _export_weights(self.out, model, state["epoch"])
+            if final and is_main_process() and not (self.out / "model_best.pth").is_file():
+                log.info("no validation images, so no best model: %s holds the last epoch's "
+                         "weights", self.out / "weights" / f"model-{state['epoch']}.pth")
+
+    def load(self, path: str, check: Callable[[dict[str, Any]], None] | None = None
+             ) -> dict[str, Any]:
+        """Every rank reads ``path`` itself (a machine may lack it), and ``check`` (this run's
+        rules: raises a :class:`UserError`) is asked; all ranks raise the same error, so none
+        waits alone in a collective. Then each part takes its entry; one the file lacks stays as
+        it was built, or calls its ``load_missing(path)``. Returns what the file holds."""
+        problem, state = None, {}
+        try:
+            state = load_file(path)
+            if not isinstance(state, dict) or not ({"model", "optimizer", "epoch"} <= state.keys()
+                                                   or {"shards", "epoch"} <= state.keys()):
+                raise CheckpointError(f"{path} is not a training checkpoint (model, optimizer, "
+                                      "epoch); to start from its weights use --weights instead.")
+            if "shards" in state and not os.path.isfile(os.path.join(state["shards"], ".metadata")):
+                raise CheckpointError(f"{path} names the shards {state['shards']}, which are not "
+                                      "there (complete); copy the whole run folder.")
+            if check is not None:
+                check(state)
+        except UserError as exc:
+            problem = exc
+        if not all_ranks_ok(problem is None):
+            raise problem or CheckpointError(f"another process of the run could not use {path}; "
+                                             "every machine needs a readable copy.")
+        for name, part in self.states.items():
+            try:
+                self._load_part(name, part, state, path)
+            except (ValueError, KeyError) as exc:  # other trainable parameters (--freeze-layers)
+                raise CheckpointError(f"the {name} state of {path} does not fit this run ({exc})"
+                                      "; use the flags it was trained with.") from None
+        return state
+
+    def _load_part(self, name: str, part: Any, state: dict[str, Any], path: str) -> None:
+        if name == TRAIN:
+            part.load_state_dict(state)
+        elif "shards" in state and name in SHARDED:
+            if name == "model":  # the optimizer's shards with it, if it is registered
+                optimizer = self.states.get("optimizer")
+                with own_settings(optimizer.optimizer) if optimizer else contextlib.nullcontext():
+                    load_shards(state["shards"], part.model, optimizer and optimizer.optimizer)
+        elif name in state:
+            part.load_state_dict(state[name])
+        elif hasattr(part, "load_missing"):  # e.g. an EMA new to the run: from its weights
+            part.load_missing(path)
+
+
+def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_best: bool,
+           keep_last: int) -> None:
+    epoch = state["epoch"]
+    if record is not None and "model" in state:
+        save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
+    if record is not None and "model_ema" in state:  # torchvision's format: no "module."
+        save_atomic({k.removeprefix("module."): v for k, v in state["model_ema"].items()
+                     if k != "n_averaged"}, out / "weights" / f"model_ema-{epoch}.pth")
+    if is_best:
+        save_atomic(state, out / "model_best.pth")
+    save_atomic(state, out / "checkpoint.pth")
+    if "shards" in state:
+        _prune_shards(out, state["shards"], keep_last)
+    if record is None:
+        return
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    numbered = sorted(int(m.group(1)) for p in (out / "weights").glob("model-*.pth")
+                      if (m := re.fullmatch(r"model-(\d+)\.pth", p.name)))
+    for old in numbered[:-keep_last] if keep_last else []:
+        (out / "weights" / f"model-{old}.pth").unlink()
+        (out / "weights" / f"model_ema-{old}.pth").unlink(missing_ok=True)
 
 
 def _prune_shards(out: Path, current: str, keep_last: int) -> None:
@@ -277,152 +308,11 @@ def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
                         out / "weights" / f"model-{best['epoch']}.pth")
 
 
-def load_model(ckpt: dict[str, Any], model: nn.Module) -> None:
-    """``--eval-only``: the weights of ``ckpt`` (either kind) alone, under any strategy."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if "shards" in ckpt:
-        load_shards(ckpt["shards"], model)
-    else:  # every rank has it whole: FSDP keeps a shard
-        set_model_state_dict(unwrap(model), ckpt["model"],
-                             options=StateDictOptions(full_state_dict=True))
-
-
-def restore(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-            scheduler: torch.optim.lr_scheduler.LambdaLR, scaler: torch.amp.GradScaler,
-            images_per_step: int, *, ema: nn.Module | None = None
-            ) -> tuple[int, float, float, list[dict], EpochProgress]:
-    """Continue from ``ckpt``: weights, optimizer, loss scale, this rank's RNG, and the cosine
-    schedule at the next epoch, or at the epoch a stop interrupted. Returns (start epoch, best
-    acc, best val loss, metrics so far, the start epoch's progress: none, or where it stopped).
-    The schedule is laid out anew (more ``--epochs``: the longer cosine) and the optimizer's
-    settings (lr, momentum, ...) are this run's, as for a new run with its flags and world size;
-    its state (momentum buffers) is the checkpoint's, as is ``ema``'s (``recipe.ModelEma``)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    rank = get_rank()
-    command = [{k: v for k, v in group.items() if k != "params"}
-               for group in optimizer.param_groups]
-    options = StateDictOptions(full_state_dict=True)  # every rank has it whole: FSDP keeps a shard
-    try:
-        if "shards" in ckpt:
-            load_shards(ckpt["shards"], model, optimizer)
-        elif any(isinstance(key, int) for key in ckpt["optimizer"]["state"]):  # an older file
-            load_model(ckpt, model)
-            optimizer.load_state_dict(ckpt["optimizer"])  # keyed by position, as it was saved
-        else:
-            set_state_dict(unwrap(model), optimizer, model_state_dict=ckpt["model"],
-                           optim_state_dict=ckpt["optimizer"], options=options)
-    except (ValueError, KeyError) as exc:  # other trainable parameters (--freeze-layers)
-        raise CheckpointError(f"the optimizer state of the checkpoint does not fit this run "
-                              f"({exc}); use the flags it was trained with.") from None
-    if "scaler" in ckpt and scaler.is_enabled():
-        scaler.load_state_dict(ckpt["scaler"])
-    if ema is not None and "model_ema" in ckpt:
-        ema.load_state_dict(ckpt["model_ema"])
-    elif ema is not None:  # n_averaged 0: its next update copies the weights again
-        ema.module.load_state_dict(unwrap(model).state_dict())
-        if rank == 0:
-            log.info("the checkpoint holds no --model-ema average: it starts from these weights")
-    rng = ckpt.get("rng_states") or []
-    if rank < len(rng):
-        restore_rng_state(rng[rank])
-    saved, part = ckpt.get("args", {}), ckpt.get("in_epoch")
-    start, progress = ckpt["epoch"] + (0 if part else 1), EpochProgress()
-    if part:
-        loss = [part["loss_sum"], part["count"]] if rank == 0 else [0.0, 0.0]
-        progress = EpochProgress(part["batches"], part["samples"], part["batches_in_epoch"],
-                                 torch.tensor(loss, dtype=torch.float64))
-        moved = saved.get("world_size", get_world_size()) != get_world_size()
-        log.info("resuming from epoch %d, step %d of %d%s", start, part["batches"],  # rank 0 only
-                 part["batches_in_epoch"], f" of {saved['world_size']} processes; the rest "
-                 f"of its samples go to these {get_world_size()}" if moved else "")
-    changed = ckpt.get("changed_flags", [])
-    if saved.get("images_per_step", images_per_step) != images_per_step:
-        changed.append(f"{images_per_step} images per step (the run had "
-                       f"{saved['images_per_step']}), lr {command[0]['initial_lr']:.4g}")
-    if changed and rank == 0:
-        log.warning("%s: applied from epoch %d%s", ", ".join(changed), start,
-                    f", step {part['batches']}" if part else "")
-    for group, hyper, lr_lambda in zip(optimizer.param_groups, command, scheduler.lr_lambdas):
-        group.update(hyper)  # initial_lr: the lr this run's flags give (LambdaLR's base)
-        group["lr"] = group["initial_lr"] * lr_lambda(start)
-    scheduler.last_epoch = start
-    history = [m for m in ckpt.get("metrics", []) if m["epoch"] < start]
-    return start, ckpt.get("best_acc", 0.0), ckpt.get("best_loss", math.inf), history, progress
-
-
-def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scaler: torch.amp.GradScaler, state: dict[str, Any], *,
-                    record: dict[str, Any] | None = None, is_best: bool = False,
-                    keep_last: int = 0, progress: EpochProgress | None = None,
-                    final: bool = False, ema: nn.Module | None = None) -> None:
-    """Every rank calls it; rank 0 writes ``state`` (epoch, metrics, ...) with the model and
-    optimizer state, every rank's RNG state and (``progress``) where the epoch stands. At an
-    epoch's end (``record``: its metrics line) also the epoch's weights, the best model and the
-    metrics line; part-way ``checkpoint.pth`` alone. A stop signal waits until all is on disk.
-    Under FSDP each rank writes its shards, nothing gathered, to ``shards/epoch-N[-step-S]/`` (a
-    folder every rank can see), which ``checkpoint.pth`` names. ``--keep-last`` K keeps the newest
-    K epochs' weights or shards; the ``final`` FSDP save also exports the weights. ``ema``
-    (the same on every rank) is saved whole, and exported as ``weights/model_ema-N.pth``."""
-    HEARTBEAT.at("saving")
-    with signals_deferred():
-        if is_sharded(model):
-            tag = f"epoch-{state['epoch']}" + (f"-step-{progress.batches}" if progress else "")
-            state = {**state, "shards": f"shards/{tag}"}
-            save_shards(out / state["shards"], model, optimizer)
-        else:
-            weights, optimizer_state = whole_state(model, optimizer)
-            state = {**state, "model": weights, "optimizer": optimizer_state}
-        rng_states = all_gather_object(capture_rng_state())
-        if progress is not None:
-            loss_sum, count = reduce_value(progress.loss, average=False).tolist()
-            state["in_epoch"] = {
-                "batches": progress.batches, "batches_in_epoch": progress.batches_in_epoch,
-                "samples": progress.samples, "loss_sum": loss_sum, "count": count}
-        if is_main_process():
-            state["rng_states"] = rng_states
-            if scaler.is_enabled():
-                state["scaler"] = scaler.state_dict()
-            if ema is not None:
-                state["model_ema"] = {k: v.cpu() for k, v in ema.state_dict().items()}
-            _write(out, state, record, is_best, keep_last)
-        if final and "shards" in state:
-            _export_weights(out, model, state["epoch"])
-        if final and is_main_process() and not (out / "model_best.pth").is_file():
-            log.info("no validation images, so no best model: %s holds the last epoch's "
-                     "weights", out / "weights" / f"model-{state['epoch']}.pth")
-
-
-def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_best: bool,
-           keep_last: int) -> None:
-    epoch = state["epoch"]
-    if record is not None and "model" in state:
-        save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
-    if record is not None and "model_ema" in state:  # torchvision's format: no "module."
-        save_atomic({k.removeprefix("module."): v for k, v in state["model_ema"].items()
-                     if k != "n_averaged"}, out / "weights" / f"model_ema-{epoch}.pth")
-    if is_best:
-        save_atomic(state, out / "model_best.pth")
-    save_atomic(state, out / "checkpoint.pth")
-    if "shards" in state:
-        _prune_shards(out, state["shards"], keep_last)
-    if record is None:
-        return
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    numbered = sorted(int(m.group(1)) for p in (out / "weights").glob("model-*.pth")
-                      if (m := re.fullmatch(r"model-(\d+)\.pth", p.name)))
-    for old in numbered[:-keep_last] if keep_last else []:
-        (out / "weights" / f"model-{old}.pth").unlink()
-        (out / "weights" / f"model_ema-{old}.pth").unlink(missing_ok=True)
-
-
-def step_saves(stop: StopRequest, save: Callable[..., None], every: int = 0
+def step_saves(stop: StopRequest, save: Callable[[], None], every: int = 0
                ) -> Callable[[EpochProgress], bool]:
     """``train_one_epoch``'s ``after_step``: every ``every`` optimizer steps (0: never) and at
-    the step the ranks agree to stop on (a signal, :meth:`StopRequest.poll`), ``save(progress=
-    ...)`` where the epoch stands; then, for a stop, it ends the epoch there."""
+    the step the ranks agree to stop on (a signal, :meth:`StopRequest.poll`), ``save()`` where
+    the epoch stands; then, for a stop, it ends the epoch there."""
     steps = 0
 
     def after_step(progress: EpochProgress) -> bool:
@@ -430,13 +320,34 @@ def step_saves(stop: StopRequest, save: Callable[..., None], every: int = 0
         steps += 1
         stopping = stop.poll()
         if stopping or (every and steps % every == 0):
-            save(progress=progress)
+            save()
         if stopping:  # every rank says where it stopped: the same step
             log.warning("stopping after step %d of %d of the epoch, saved", progress.batches,
                         progress.batches_in_epoch)
         return stopping
 
     return after_step
+
+
+def compare_flags(saved: dict[str, Any], given: dict[str, Any], refused: Callable[[str], bool]
+                  ) -> tuple[list[str], list[str]]:
+    """The flags of ``given`` whose values differ from the run's ``saved`` ones (a flag the run
+    did not record is not compared), as ``--lr 0.05 (the run had 0.01)``: (refused, applied);
+    ``refused(key)`` says which a continued run cannot change."""
+    def flag(key: str, value: Any, bare: bool = False) -> str:
+        name = key.replace("_", "-")
+        if value is None:
+            return f"no --{name}"
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no-{name}"
+        return str(value) if bare else f"--{name} {value}"
+
+    said: tuple[list[str], list[str]] = ([], [])
+    for key, value in sorted(given.items()):
+        if key in saved and saved[key] != value:
+            said[0 if refused(key) else 1].append(
+                f"{flag(key, value)} (the run had {flag(key, saved[key], bare=True)})")
+    return said
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -102,14 +102,17 @@ def inert_flags(model: nn.Module) -> list[str]:
     return [flag for flag, has in found.items() if not has]
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, args: Any) -> lr_scheduler.LambdaLR:
+def lr_schedule(optimizer: torch.optim.Optimizer, args: Any, start_epoch: int = 0
+                ) -> lr_scheduler.LambdaLR:
     """``--lr-scheduler`` after ``--lr-warmup-epochs`` W, stepped once per epoch, as a LambdaLR
     of the factors torch's own schedulers give (run here on a stand-in optimizer): a resumed or
     longer run lays them out anew, and no scheduler state needs saving. ``cosine``: the lr
     falls to ``lr x --lrf`` on a half cosine (SGDR, arXiv:1608.03983)."""
     lr, epochs, warm = optimizer.param_groups[0]["lr"], args.epochs, args.lr_warmup_epochs
+    for group in optimizer.param_groups:  # the base: this run's lr, when it resumes too
+        group["initial_lr"] = group["lr"]
     if args.lr_scheduler == "cosine" and not warm:  # the template's own: its exact factors
-        return cosine_schedule(optimizer, epochs, args.lrf)
+        return cosine_schedule(optimizer, epochs, args.lrf, last_epoch=start_epoch - 1)
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     schedule = {
         "cosine": lambda: cosine_schedule(probe, epochs - warm, args.lrf),
@@ -128,7 +131,8 @@ def lr_schedule(optimizer: torch.optim.Optimizer, args: Any) -> lr_scheduler.Lam
         factors.append(probe.param_groups[0]["lr"] / lr)
         probe.step()  # no gradient: changes nothing, but the scheduler expects it first
         schedule.step()
-    return lr_scheduler.LambdaLR(optimizer, lambda epoch: factors[min(epoch, epochs)])
+    return lr_scheduler.LambdaLR(optimizer, lambda epoch: factors[min(epoch, epochs)],
+                                 last_epoch=start_epoch - 1)
 
 
 class ModelEma(AveragedModel):

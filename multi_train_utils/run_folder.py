@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointError
+from .checkpoint_io import CheckpointError
 
 log = logging.getLogger("train")
 RUN_FILES = ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl", "tensorboard",

@@ -452,9 +452,10 @@ def format_report(result: EvalResult, classes: list[str]) -> str:
     return "\n".join(lines)
 
 
-def cosine_schedule(optimizer: torch.optim.Optimizer, epochs: int, lrf: float
-                    ) -> torch.optim.lr_scheduler.LambdaLR:
+def cosine_schedule(optimizer: torch.optim.Optimizer, epochs: int, lrf: float,
+                    last_epoch: int = -1) -> torch.optim.lr_scheduler.LambdaLR:
     """The lr from its value to ``lr x lrf`` over ``epochs`` on a half cosine (SGDR,
     arXiv:1608.03983), stepped once per epoch."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda epoch: (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf)
+        optimizer, lambda epoch: (1 + math.cos(epoch * math.pi / epochs)) / 2 * (1 - lrf) + lrf,
+        last_epoch)

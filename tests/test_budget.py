@@ -170,10 +170,9 @@ RECIPE = [  # (step, does a called name match it)
     ("an optimizer (torch.optim.* or recipe.make_optimizer)",
      lambda n: re.search(r"(^|\.)optim\.[A-Z]\w*$", n) is not None and "lr_scheduler" not in n
      or n.endswith("make_optimizer")),
-    ("a LambdaLR, cosine or recipe schedule",
+    ("a resume call (the checkpointer's load)", lambda n: n.endswith("checkpointer.load")),
+    ("a LambdaLR, cosine or recipe schedule, from the epoch the run starts at",
      lambda n: re.search(r"LambdaLR|[Cc]osine|lr_schedule$", n) is not None),
-    ("a resume call", lambda n: re.search(r"resume|restore|load_checkpoint", n.split(".")[-1])
-     is not None),
     ("set_epoch", lambda n: n.endswith("set_epoch")),
     ("train_one_epoch", lambda n: n.endswith("train_one_epoch")),
     ("evaluate", lambda n: n.split(".")[-1] == "evaluate"),

@@ -18,9 +18,9 @@ import torch
 
 from conftest import (LAUNCH, ROOT, TINY_FLAGS, assert_user_error, clone_run, flags, load_ckpt,
                       ranks, read_metrics)
-from multi_train_utils.checkpoint import NOT_COMPARED, changed_flags
 from multi_train_utils.guard import ConfigError
-from train_multi_gpu_using_launch import check_args, get_args_parser, run_flags
+from train_multi_gpu_using_launch import (NOT_COMPARED, check_args, flag_changes, get_args_parser,
+                                          run_flags)
 
 CONTRACT = ROOT / "docs" / "resume-and-restarts.md"
 
@@ -66,17 +66,17 @@ def test_the_docs_table_names_every_flag_once_and_says_what_the_code_does():
         for flag in row_flags:
             action = by_flag[flag]
             saved = {**defaults, action.dest: other_value(action, defaults[action.dest])}
-            refused, applied = changed_flags(saved, argparse.Namespace(**defaults))
+            refused, applied = flag_changes(saved, defaults)
             said = {"refused": refused, "applied": applied}
             assert len(said[behaviour]) == 1 and len(refused) + len(applied) == 1, (
                 flag, behaviour, said)
 
 
 def test_val_path_given_to_one_run_only_is_refused_another_folder_applied():
-    args = argparse.Namespace(val_path="/data/val2", eval_only=False)
-    assert changed_flags({"val_path": "/data/val"}, args) == (
+    flags = {"val_path": "/data/val2", "eval_only": False}
+    assert flag_changes({"val_path": "/data/val"}, flags) == (
         [], ["--val-path /data/val2 (the run had /data/val)"])
-    assert changed_flags({"val_path": None}, args)[0] == [
+    assert flag_changes({"val_path": None}, flags)[0] == [
         "--val-path /data/val2 (the run had no --val-path)"]
 
 

@@ -819,7 +819,7 @@ class _UnusedBranch(nn.Module):
 
 
 def _unused_branch_worker(rank: int, world: int, wrapper: str) -> dict[str, Any]:
-    from multi_train_utils.checkpoint import whole_state
+    from multi_train_utils.checkpoint_io import whole_state
     from multi_train_utils.strategy import shard_model
 
     torch.manual_seed(0)

@@ -38,8 +38,8 @@ from conftest import (LAUNCH, ProcessTree, assert_same_tensors, assert_user_erro
 from benchmarks.fsdp import local_bytes
 from dist_helpers import run_ranks
 from model import Bottleneck, ResNet, get_model
-from multi_train_utils.checkpoint import (_prune_shards, extract_state_dict, load_file,
-                                          save_atomic, whole_state)
+from multi_train_utils.checkpoint import _prune_shards
+from multi_train_utils.checkpoint_io import extract_state_dict, load_file, save_atomic, whole_state
 from multi_train_utils.run_folder import move_earlier_run
 from multi_train_utils.strategy import (RESIDUAL_BLOCKS, gradient_sync, load_shards,
                                         read_shards, save_shards, shard_model)

@@ -481,7 +481,7 @@ def test_vit_weights_for_another_size_build_the_model_at_their_size() -> None:
         ours = model.get_model("vit_b_16", num_classes=5, img_size=384)
     assert ours.encoder.pos_embedding.shape == theirs["encoder.pos_embedding"].shape
     assert theirs["encoder.pos_embedding"].shape == (1, (384 // 16) ** 2 + 1, 768)
-    from multi_train_utils.checkpoint import load_pretrained
+    from multi_train_utils.checkpoint_io import load_pretrained
 
     load_pretrained(ours, name, head=model.classifier_name(ours), state=theirs)  # it fits
     model.check_model("vit_b_16", 384, name)
@@ -518,7 +518,7 @@ def test_mallopt_returns_freed_fsdp_buffers_to_the_os(monkeypatch: pytest.Monkey
 
 def test_load_pretrained_keeps_the_backbone_and_starts_the_named_head_new(
         caplog: pytest.LogCaptureFixture) -> None:
-    from multi_train_utils.checkpoint import CheckpointError, load_pretrained
+    from multi_train_utils.checkpoint_io import CheckpointError, load_pretrained
 
     torch.manual_seed(0)
     state = torchvision.models.mobilenet_v3_small().state_dict()  # 1000 classes

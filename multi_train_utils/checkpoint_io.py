@@ -1,0 +1,147 @@
+"""Checkpoint files that survive crashes: atomic saves, safe loads, and weights from any source
+(ours, torchvision's, Lightning's, a bare state dict), loaded as far as they fit the model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .guard import UserError
+from .strategy import read_shards
+
+log = logging.getLogger("train")
+
+
+class CheckpointError(UserError):
+    """A file given as a checkpoint or weights cannot be used (one sentence, with the path)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare model under DDP and/or ``torch.compile`` (what is saved: no ``module.`` keys)."""
+    model = getattr(model, "_orig_mod", model)
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` into a temp file beside ``path``, fsync, then rename: a crash at any point
+    leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
+            raise exc.__context__ from None  # torch's zip writer hides a full disk behind this
+        raise
+
+
+def load_file(path: str | os.PathLike) -> Any:
+    """``torch.load`` on the CPU with ``weights_only=True``, memory-mapped (a tensor is read when
+    it is used); one sentence for an unusable file. A sharded checkpoint's ``shards`` folder is
+    given back as a full path."""
+    if not os.path.isfile(path):
+        what = "is a folder; give a file in it" if os.path.isdir(path) else "does not exist"
+        raise CheckpointError(f"{path} {what}.")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True,
+                         mmap=zipfile.is_zipfile(path))  # a legacy (not zip) file: no mmap
+        if isinstance(obj, dict) and isinstance(obj.get("shards"), str):
+            obj["shards"] = str(Path(path).parent / obj["shards"])
+        return obj
+    except Exception as exc:  # truncated, damaged, pickled objects, another format
+        detail = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().split("\n")[0][:160]
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint "
+                              f"({type(exc).__name__}: {detail}).") from None
+
+
+def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model state dict in ``obj`` (ours, torchvision's or Lightning's checkpoint, or a bare
+    state dict), without the ``module.`` / ``_orig_mod.`` prefixes of wrappers."""
+    if isinstance(obj, dict) and "shards" in obj and "model" not in obj:  # saved under fsdp
+        try:
+            obj = read_shards(obj["shards"])
+        except Exception as exc:  # missing, or a save that never finished
+            raise CheckpointError(f"{path} names the shards {obj['shards']}, which cannot be "
+                                  f"read ({type(exc).__name__}); copy the whole run folder."
+                                  ) from None
+    for key in ("model", "state_dict", "model_state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
+        raise CheckpointError(f"{path} holds no model state dict (a dict of tensors, or a "
+                              "checkpoint with a 'model' entry).")
+    prefix = re.compile(r"(module\.|_orig_mod\.)")
+    while all(prefix.match(k) for k in obj):  # only when a wrapper prefixed every key
+        obj = {prefix.sub("", k, count=1): v for k, v in obj.items()}
+    return dict(obj)
+
+
+def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, head: str = "fc",
+                          state: dict[str, torch.Tensor] | None = None
+                          ) -> tuple[list[str], list[str]]:
+    """Load the tensors of ``path`` (or ``state``, read already; ``path`` then only names it)
+    whose names and shapes fit ``model``, e.g. all but a 1000-class classifier ``head`` (its
+    top-level module). Returns (the file's keys left out, the model's keys left as initialised).
+    Weights of another architecture (backbone shapes differ) are refused, not mixed in."""
+    state = extract_state_dict(load_file(path), path) if state is None else state
+    own = unwrap(model).state_dict()
+    other = [k for k in state if k in own and own[k].shape != state[k].shape
+             and not k.startswith(f"{head}.")]
+    if other or not any(k in own for k in state):
+        example = f" (e.g. {other[0]}: {list(state[other[0]].shape)})" if other else ""
+        raise CheckpointError(f"{path} does not fit this model{example}; were the weights made "
+                              "for another --model?")
+    fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    unwrap(model).load_state_dict(fitting, strict=False)
+    return sorted(state.keys() - fitting.keys()), sorted(own.keys() - fitting.keys())
+
+
+def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: str = "fc",
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+    """``--weights``: start from every tensor that fits, and say what did not; ``head`` and
+    ``state`` as in :func:`load_matching_weights`. ``strict`` (evaluation): every tensor of the
+    model must come from the file."""
+    skipped, missing = load_matching_weights(model, path, head=head, state=state)
+    if strict and missing:
+        raise CheckpointError(f"{path} does not fit this model and data ({len(missing)} "
+                              f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
+                              "accuracy would be meaningless; pass its --model and data.")
+    total = len(unwrap(model).state_dict())
+    new = sorted({k.rsplit(".", 1)[0] for k in missing if k.startswith(f"{head}.")})  # layers
+    log.info("loaded %s: %d of the model's %d tensors%s", path, total - len(missing), total,
+             f"; new for the data's classes: {', '.join(new)}" if new else "")
+    if any(not k.startswith(f"{head}.") for k in [*missing, *skipped]):
+        log.warning("%s and the model differ beyond the classifier (%d tensor(s) of the model "
+                    "not loaded, %d of the file unused)", path, len(missing), len(skipped))
+
+
+def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The model's and optimizer's state dicts (None without ``optimizer``) as whole tensors
+    keyed by parameter name, on the CPU of rank 0 (the others get ``{}``): the same under DDP
+    and FSDP, at any world size. Every rank must call it (FSDP gathers the shards, a tensor at a
+    time). On a CPU run the tensors are the live ones."""
+    # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    model, options = unwrap(model), StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optimizer_state = None if optimizer is None else get_optimizer_state_dict(
+        model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), optimizer_state
