@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from multi_train_utils.guard import UserError
-from utils import HelpFormatter, path_flag, positive_int
+from flags import HelpFormatter, path_flag, positive_int
 
 METRICS_FILE = "metrics.jsonl"
 # Keys every epoch record must have to be plotted; the training script always writes them.

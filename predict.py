@@ -34,7 +34,9 @@ from multi_train_utils.distributed_utils import pick_device
 from multi_train_utils.guard import UserError
 from multi_train_utils.train_eval_utils import prepare_images
 from my_dataset import check_image, load_image_tensor, printable_path
-from utils import IMG_EXTENSIONS, HelpFormatter, get_transforms, path_flag, positive_int
+from augment import get_transforms
+from flags import HelpFormatter, path_flag, positive_int
+from image_folder import IMG_EXTENSIONS
 
 DEFAULT_MODEL = "resnet34"
 DEFAULT_IMG_SIZE = 224

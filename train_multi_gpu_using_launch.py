@@ -25,6 +25,10 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from augment import AUTO_AUGMENT, get_transforms
+from demo_data import default_demo_root, make_demo_data
+from flags import BoolFlag, HelpFormatter, number, path_flag
+from image_folder import imagenet_layout, scan_image_folder, split_train_val, write_scan_files
 from model import check_model, freeze_backbone, get_model, load_weights, weights_size
 from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
                                           TrainState, compare_flags, step_saves)
@@ -43,10 +47,7 @@ from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (ResumableSampler, evaluate,
                                                format_report, resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
-from utils import (AUTO_AUGMENT, BoolFlag, HelpFormatter, augment_flags, default_demo_root,
-                   epoch_record, get_transforms, imagenet_layout, log_epoch, make_demo_data,
-                   number, path_flag, scan_image_folder, split_train_val, tensorboard_writer,
-                   write_json_atomic, write_scan_files)
+from run_log import epoch_record, log_epoch, tensorboard_writer, write_json_atomic
 
 log = logging.getLogger("train")
 
@@ -80,7 +81,7 @@ def main(args: argparse.Namespace) -> None:
     # A file's side depends only on its name and --seed: stable as the folder grows.
     train_paths, train_labels, val_paths, val_labels = split_train_val(
         scan, args.val_rate, args.seed, val_scan=val_scan)  # --val-path: all of the rest trains
-    transforms = get_transforms(args.img_size, args.decode, **augment_flags(args))  # workers'
+    transforms = get_transforms(args.img_size, args.decode, **augment_kwargs(args))  # workers'
     skip_log = None if args.eval_only else out / "skipped_files.txt"
     train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
                           skip_log=skip_log, replace_unreadable=True)
@@ -204,13 +205,21 @@ def run_args(args: argparse.Namespace, info: DistInfo, images_per_step: int) -> 
     return {**vars(args), "world_size": info.world_size, "images_per_step": images_per_step}
 
 
+def augment_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags :func:`augment.get_transforms` takes, by the same names."""
+    return {k: getattr(args, k) for k in ("auto_augment", "ra_magnitude", "augmix_severity",
+                                          "random_erase", "interpolation", "val_resize_size",
+                                          "val_crop_size")}
+
+
 def check_args(args: argparse.Namespace, world_size: int
                ) -> tuple[argparse.Namespace, dict[str, Any]]:
     """Flags that contradict each other: one sentence each, before anything is read. Returns
     ``args`` with the flags that follow from others filled in (logged): torchvision's recipe,
     its data layout; and the defaults for flags a continued run takes from its checkpoint."""
     args = argparse.Namespace(**vars(args))  # main(args) twice: the same run
-    imagenet_layout(args)  # D/train and D/val: --data-path D/train --val-path D/val
+    args.data_path, args.val_path = imagenet_layout(  # D holding train/ and val/: D/train, D/val
+        args.data_path, args.val_path, eval_only=args.eval_only)
     defaults = {**RUN_DEFAULTS, **resolve_recipe(args)}
     if args.model:  # a ViT's weights by name: the size they were trained at
         defaults["img_size"] = weights_size(args.model, args.weights) or defaults["img_size"]

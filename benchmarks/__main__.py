@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
+from flags import HelpFormatter, path_flag
 from model import MODELS
 from multi_train_utils.distributed_utils import COMM_HOOKS
-from utils import DataError, HelpFormatter, path_flag, write_json_atomic
+from multi_train_utils.guard import UserError
+from run_log import write_json_atomic
 
 from . import decode, fsdp, loop, pipeline, preemption, scaling, startup, with_data
 from .photos import default_image_dir
@@ -82,7 +84,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         sys.exit(f"error: --workers must be 0 or more, not {args.workers}.")
     try:
         image_dir = Path(args.image_dir) if args.image_dir else default_image_dir()
-    except DataError as exc:  # no home folder
+    except UserError as exc:  # no home folder
         sys.exit(f"error: {exc}")
     return argparse.Namespace(**{**vars(args), "device": "cuda" if use_cuda else "cpu",
                                  "max_procs": max_procs, "image_dir": str(image_dir)})

@@ -2,7 +2,8 @@
 them up.
 
 Every spawned rank of the scaling stage imports this module: it imports neither torchvision
-nor ``utils``/``my_dataset`` (which do), as torchvision costs each rank seconds.
+nor ``my_dataset``/``augment``/``image_folder`` (which do), as torchvision costs each rank
+seconds.
 """
 
 from __future__ import annotations

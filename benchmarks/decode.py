@@ -31,7 +31,7 @@ from torchvision.transforms.v2 import functional as TF
 
 import my_dataset
 from my_dataset import MyDataSet, default_workers
-from utils import get_transforms
+from augment import get_transforms
 
 from .common import (build, cpu_threads, num_threads, quiet_train_one_epoch, rate,
                      synthetic_batches, sync)

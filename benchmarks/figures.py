@@ -24,7 +24,9 @@ from matplotlib.patches import Patch, Rectangle
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from plot_results import load_metrics
-from utils import make_demo_data, scan_image_folder, split_train_val, write_json_atomic
+from demo_data import make_demo_data
+from image_folder import scan_image_folder, split_train_val
+from run_log import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 

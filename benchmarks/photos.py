@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from utils import user_cache_dir
+from demo_data import user_cache_dir
 
 
 def _photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
@@ -63,7 +63,7 @@ def make_photos(folder: str | os.PathLike, count: int, *, width: int = 500, heig
 
 
 def default_image_dir() -> Path:
-    """Where the photos are cached without ``--image-dir``; ``DataError`` without a home."""
+    """Where the photos are cached without ``--image-dir``; ``UserError`` without a home."""
     return user_cache_dir("pass --image-dir a folder you can write") / "ddp-template" / \
         "bench_photos_v1"
 

@@ -27,7 +27,7 @@ from torchvision.io import ImageReadMode, decode_jpeg, read_file
 
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
 from my_dataset import MyDataSet
-from utils import get_transforms
+from augment import get_transforms
 
 from .common import num_threads, paired, rate
 from .photos import photos

@@ -45,7 +45,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from multi_train_utils.distributed_utils import (cleanup, find_free_port, init_distributed_mode,
                                                  run_on_main)
 from my_dataset import default_workers
-from utils import scan_image_folder
+from image_folder import scan_image_folder
 
 from .report import ROOT, row, spread
 from .scaling import barrier, rank_environment

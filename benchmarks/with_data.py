@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from my_dataset import MyDataSet, default_workers, loader_kwargs
-from utils import get_transforms
+from augment import get_transforms
 
 from .common import build, cpu_threads, quiet_train_one_epoch, sync
 from .photos import photos

@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from utils import make_demo_data  # noqa: E402
+from demo_data import make_demo_data  # noqa: E402
 
 # A shell without job control starts a command in the background with SIGINT and SIGQUIT ignored
 # (POSIX), and a process keeps an ignored signal ignored (nohup ... &): so would every process a
@@ -163,8 +163,8 @@ def tiny_data(tmp_path_factory) -> Path:
 def reference_run(tiny_data, tmp_path_factory, plain) -> SimpleNamespace:
     """An uninterrupted 3-epoch run of 2 processes (--workers 0): the reference."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    # The stored file list trusts no folder changed in the last 2 s (utils._times): let the
-    # data just made age as real data has, so later runs may reuse the list this run stores.
+    # The stored file list trusts no folder changed in the last 2 s (image_folder._times): let
+    # the data just made age as real data has, so later runs may reuse the list this run stores.
     newest = max(p.stat().st_ctime for p in [tiny_data, *tiny_data.iterdir()])
     time.sleep(max(0.0, newest + 2.1 - time.time()))
     res = ranks(plain, 2, LAUNCH, *flags(tiny_data, out, "--epochs", str(REFERENCE_EPOCHS)))

@@ -22,13 +22,17 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as v1
 from torchvision.transforms import v2
 
-import utils
+import demo_data
+import image_folder
+from augment import get_transforms
+from demo_data import make_demo_data
+from flags import path_flag
+from image_folder import (DataError, FolderScan, label_by_class_name, read_split_data,
+                          scan_image_folder, split_train_val)
 from multi_train_utils.train_eval_utils import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from my_dataset import (LOADER_TIMEOUT_S, MyDataSet, check_image, load_image_tensor,
                         load_pil_image, loader_kwargs, printable_path)
-from utils import (DataError, FolderScan, get_transforms, label_by_class_name,
-                   make_demo_data, path_flag, plot_class_distribution, read_split_data,
-                   scan_image_folder, split_train_val, write_json_atomic)
+from run_log import plot_class_distribution, write_json_atomic
 
 # Class folder names sort as Python sorts str: "café" < "red rose" < "single" < "日本".
 USED_CLASSES = ["café", "red rose", "single", "日本"]
@@ -155,7 +159,7 @@ def test_without_verify_only_names_and_types_are_read(tmp_path, monkeypatch):
     (root / "b" / "bad.jpg").write_bytes(b"not a jpeg")
     stat, stats = os.stat, []
     monkeypatch.setattr(os, "stat", lambda path, **kw: stats.append(Path(path)) or stat(path, **kw))
-    monkeypatch.setattr(utils, "check_image", lambda path: pytest.fail(f"{path} was opened"))
+    monkeypatch.setattr(image_folder, "check_image", lambda path: pytest.fail(f"{path} was opened"))
     quick = scan_image_folder(root, verify=False)
     assert set(stats) == {root, root / "a", root / "b", root / "b" / "more"}
     assert quick.skipped == [(str(root / "a" / "pipe.jpg"), "not a regular file")]
@@ -563,13 +567,11 @@ def test_awkward_modes_decode_to_uint8_rgb(tmp_path, kind):
 # ---------------------------------------------------------------- plots, files, flags
 def test_plots_stay_readable_for_long_names_and_many_classes(tmp_path):
     long = "x" * 190 + "_female"
-    scan = FolderScan(str(tmp_path), [long, "玫瑰"], [["a"], ["b", "c"]])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Tight layout not applied"; a warning per CJK glyph
-        plot_class_distribution(scan, tmp_path / "classes.png")
+        plot_class_distribution([long, "玫瑰"], [1, 2], tmp_path / "classes.png")
     many = [f"c{i}" for i in range(1200)]
-    plot_class_distribution(FolderScan(str(tmp_path), many, [["x"] * (i % 7 + 1) for i in
-                                                           range(1200)]), tmp_path / "many.png")
+    plot_class_distribution(many, [i % 7 + 1 for i in range(1200)], tmp_path / "many.png")
     with Image.open(tmp_path / "many.png") as img:
         assert img.width <= 2400  # 0.6 inch a class would be 72,000 px
 
@@ -578,7 +580,8 @@ def test_plot_data_loader_image_shows_a_batch_named_as_the_classic_tutorial(tmp_
                                                                          monkeypatch):
     """The classic launcher's import; uint8, normalised and --decode device batches show the
     same pixels, named from class_indices.json here or by ``classes``; headless: a file."""
-    from utils import plot_data_loader_image, read_split_data  # noqa: F401 (the classic line)
+    from image_folder import read_split_data  # noqa: F401 (the classic line)
+    from run_log import plot_data_loader_image  # noqa: F401 (the classic line)
     monkeypatch.chdir(tmp_path)
     paths = [str(write_jpeg(tmp_path / f"{i}.jpg", i, (40, 50))) for i in range(5)]
     write_json_atomic("class_indices.json", {0: "red", 1: "blue"})
@@ -630,14 +633,14 @@ def test_demo_data_is_made_once_and_the_same_every_time(tmp_path, monkeypatch):
     first = make_demo_data(tmp_path / "a", per_class=2, size=16)
     again = make_demo_data(tmp_path / "b", per_class=2, size=16)
     names = sorted(p.relative_to(first).as_posix() for p in first.rglob("*.jpg"))
-    assert names == [f"{c}/{i:04d}.jpg" for c in utils.DEMO_CLASSES for i in range(2)]
+    assert names == [f"{c}/{i:04d}.jpg" for c in demo_data.DEMO_CLASSES for i in range(2)]
     assert all((first / n).read_bytes() == (again / n).read_bytes() for n in names)
     (first / "daisy" / "0000.jpg").unlink()
     assert make_demo_data(first, per_class=2) == first  # there: not drawn again
     assert not (first / "daisy" / "0000.jpg").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     monkeypatch.setenv("DDP_DEMO_DATA", str(tmp_path / "demo"))
-    assert utils.default_demo_root() == tmp_path / "demo"
+    assert demo_data.default_demo_root() == tmp_path / "demo"
     monkeypatch.delenv("DDP_DEMO_DATA")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert utils.default_demo_root() == tmp_path / "cache" / "ddp-template" / "demo_flowers_v1"
+    assert demo_data.default_demo_root() == tmp_path / "cache" / "ddp-template" / "demo_flowers_v1"

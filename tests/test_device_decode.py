@@ -32,7 +32,7 @@ from benchmarks.photos import make_photos
 from device_decode import BatchAugment, Encoded, JpegBatch
 from multi_train_utils.train_eval_utils import IGNORE_INDEX, prefetch_to_device
 from my_dataset import MyDataSet, load_image_tensor, loader_kwargs
-from utils import get_transforms
+from augment import get_transforms
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -22,8 +22,9 @@ from conftest import (ROOT, assert_same_tensors, child_env, clone_run, flags, lo
 EXAMPLE, LAUNCH_PY = "example_own_project.py", "train_multi_gpu_using_launch.py"
 EXAMPLE_EPOCHS = ["--device", "cpu", "--epochs", "3"]
 STEPS_PER_EPOCH = 32  # 4096 samples, 2 ranks, batch 64
-TOP_LEVEL = ("train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "utils", "model",
-             "my_dataset", "predict", "plot_results", "device_decode")
+TOP_LEVEL = ("train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "image_folder",
+             "augment", "demo_data", "flags", "run_log", "model", "my_dataset", "predict",
+             "plot_results", "device_decode")
 
 
 def epoch_lines(stdout: str) -> dict[int, float]:
@@ -99,7 +100,7 @@ def test_multi_train_utils_and_example_work_copied_alone(tmp_path):
     assert {"checkpoint", "distributed_utils", "guard", "train_eval_utils"} <= set(modules)
     out = tmp_path.parent / f"{tmp_path.name}-out"
     check = (f"import importlib, importlib.util, runpy, sys\n"
-             f"assert importlib.util.find_spec('utils') is None, 'the repo is on sys.path'\n"
+             f"assert importlib.util.find_spec('image_folder') is None, 'the repo is on sys.path'\n"
              f"for m in {modules!r}: importlib.import_module('multi_train_utils.' + m)\n"
              f"sys.argv = [{EXAMPLE!r}, '--device', 'cpu', '--epochs', '2', "
              f"'--output-dir', {str(out)!r}]\n"

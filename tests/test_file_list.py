@@ -19,18 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import utils
+import image_folder
 from conftest import flags, read_metrics
-from utils import (SCAN_FILE, FolderScan, make_demo_data, scan_image_folder, split_train_val,
-                   write_scan_files)
+from demo_data import make_demo_data
+from image_folder import SCAN_FILE, FolderScan, scan_image_folder, split_train_val, write_scan_files
 
-# The folders were written long ago: their times are trusted (see utils._times).
-SETTLED = "import time, utils\nutils.time_ns = lambda: time.time_ns() + 10**10\n"
+# The folders were written long ago: their times are trusted (see image_folder._times).
+SETTLED = "import time, image_folder\nimage_folder.time_ns = lambda: time.time_ns() + 10**10\n"
 
 
 @pytest.fixture
 def settled(monkeypatch):
-    monkeypatch.setattr(utils, "time_ns", lambda: time.time_ns() + 10**10)
+    monkeypatch.setattr(image_folder, "time_ns", lambda: time.time_ns() + 10**10)
 
 
 def data_tree(root: Path, per_class: int) -> Path:

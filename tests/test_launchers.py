@@ -20,7 +20,7 @@ import torchvision
 from conftest import (LAUNCH, LEGACY, ROOT, SPAWN, SPAWNED, TORCHRUN, assert_user_error,
                       error_lines, flags, free_port, load_ckpt, make_probe, read_metrics)
 from my_dataset import default_workers
-from utils import make_demo_data
+from demo_data import make_demo_data
 
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 

@@ -23,7 +23,7 @@ import device_decode
 import my_dataset
 from multi_train_utils import distributed_utils, train_eval_utils
 from multi_train_utils.train_eval_utils import prefetch_to_device, train_one_epoch
-from utils import get_transforms
+from augment import get_transforms
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -31,7 +31,8 @@ from predict import load_predictor
 from test_bad_data import make_class
 from train_multi_gpu_using_launch import (RUN_DEFAULTS, check_args, get_args_parser,
                                           run_flags)
-from utils import DataError, get_transforms, imagenet_layout
+from augment import get_transforms
+from image_folder import DataError, imagenet_layout
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -404,18 +405,11 @@ def test_imagenet_layout_reads_train_and_val(tmp_path):
         (tmp_path / "in" / part / "n01440764").mkdir(parents=True)
     (tmp_path / "flat" / "train").mkdir(parents=True)  # classes "train" and "val": not it
     (tmp_path / "flat" / "val").mkdir()
-    args = argparse.Namespace(data_path=str(tmp_path / "in"), val_path=None, eval_only=False)
-    imagenet_layout(args)
-    assert (args.data_path, args.val_path) == (str(tmp_path / "in" / "train"),
-                                               str(tmp_path / "in" / "val"))
-    args = argparse.Namespace(data_path=str(tmp_path / "in"), val_path=None, eval_only=True)
-    imagenet_layout(args)  # evaluation: the val folder alone
-    assert (args.data_path, args.val_path) == (None, str(tmp_path / "in" / "val"))
-    for given in [argparse.Namespace(data_path=str(tmp_path / "flat"), val_path=None),
-                  argparse.Namespace(data_path=str(tmp_path / "in"), val_path="v")]:
-        before = dict(vars(given))
-        imagenet_layout(given)
-        assert vars(given) == before
+    d = str(tmp_path / "in")
+    assert imagenet_layout(d, None) == (f"{d}/train", f"{d}/val")
+    assert imagenet_layout(d, None, eval_only=True) == (None, f"{d}/val")  # the val folder alone
+    for given in [(str(tmp_path / "flat"), None), (d, "v"), (None, "v")]:
+        assert imagenet_layout(*given) == given
 
 
 SORT_VAL = ("(ILSVRC2012's validation images come in one folder, their labels in a separate "
@@ -447,8 +441,7 @@ def test_imagenet_layout_refuses_a_flat_val_or_one_of_other_classes(tmp_path, va
     (d / "val" / "LOC_val_solution.csv").touch()  # the labels: no image
     for eval_only in (False, True):  # --eval-only --data-path D reads D/val alone
         with pytest.raises(DataError) as err:
-            imagenet_layout(argparse.Namespace(data_path=str(d), val_path=None,
-                                               eval_only=eval_only))
+            imagenet_layout(str(d), None, eval_only=eval_only)
         assert str(err.value).startswith(message.format(d=d))
 
 
@@ -459,15 +452,13 @@ def test_imagenet_layout_needs_val_and_ignores_hidden_files(tmp_path):
     for name in ("n01", "n02"):
         (d / "train" / name).mkdir(parents=True)
         (d / "valid" / name).mkdir(parents=True)
-    args = argparse.Namespace(data_path=str(d), val_path=None, eval_only=False)
     with pytest.raises(DataError, match=rf"^{re.escape(str(d))}/train holds class folders, but "
                        rf"{re.escape(str(d))} has no val/ beside it, so its own folders would be "
                        "taken as classes; give --data-path "):
-        imagenet_layout(args)
+        imagenet_layout(str(d), None)
     (d / "valid").rename(d / "val")
     (d / "val" / "._ILSVRC2012_val_00000001.JPEG").touch()
-    imagenet_layout(args)
-    assert (args.data_path, args.val_path) == (str(d / "train"), str(d / "val"))
+    assert imagenet_layout(str(d), None) == (str(d / "train"), str(d / "val"))
 
 
 def test_a_flat_val_folder_is_one_line_not_a_model_of_train_against_val(tmp_path, plain):

@@ -21,8 +21,8 @@ from conftest import (LAUNCH, ROOT, STOPPER, assert_same_tensors, flags, load_ck
                       ranks)
 from predict import format_prediction, load_predictor, predict
 from multi_train_utils.train_eval_utils import EpochProgress
-from utils import (SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val,
-                   write_scan_files)
+from image_folder import (SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val,
+                          write_scan_files)
 
 # Each ResumableSampler.__iter__: its epoch and the paths it dealt, per rank.
 RECORD = """
@@ -37,7 +37,7 @@ def _recorded(self):
     return iter(indices)
 ResumableSampler.__iter__ = _recorded
 """
-SETTLED = "import time, utils\nutils.time_ns = lambda: time.time_ns() + 10**10\n"
+SETTLED = "import time, image_folder\nimage_folder.time_ns = lambda: time.time_ns() + 10**10\n"
 
 
 def dealt(log: Path, ranks: int = 1) -> dict[int, list[list[str]]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, child_env, flags, read_metrics
-from utils import make_demo_data
+from demo_data import make_demo_data
 
 SCRIPT = "slurm/train.sbatch"
 CPU = ["--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--time=10"]

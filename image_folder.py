@@ -1,22 +1,16 @@
-"""Data helpers: scan and split an image folder (``root/<class>/**/<image>``, as for
-``ImageFolder`` and the tutorial's ``flower_photos``), transforms, plots, demo data. Files that
-cannot be used are skipped and listed with a reason; a mistake in the layout is a
+"""An image folder (``root/<class>/**/<image>``, as for ``ImageFolder`` and the tutorial's
+``flower_photos``): its scan, stored with the run and reused while nothing changed, and its split.
+Files that cannot be used are skipped and listed with a reason; a mistake in the layout is a
 :class:`DataError`, one sentence."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
-import math
 import os
-import random
-import shutil
-import tempfile
-import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,14 +18,12 @@ from time import time_ns
 from typing import Any
 
 import torch
-from PIL import Image, ImageDraw, ImageFilter
-from torchvision.transforms import v2
 
-from multi_train_utils.distributed_utils import is_main_process, run_on_main
-from multi_train_utils.guard import ConfigError, UserError
-from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, EpochProgress
-from device_decode import BatchAugment
-from my_dataset import MyDataSet, check_image, printable_path
+from multi_train_utils.distributed_utils import run_on_main
+from multi_train_utils.guard import UserError
+from multi_train_utils.train_eval_utils import EpochProgress
+from my_dataset import check_image, printable_path
+from run_log import plot_class_distribution, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -330,62 +322,10 @@ def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False
     train_p, train_y, val_p, val_y = split_train_val(scan, val_rate, seed=0)
     write_json_atomic("class_indices.json", dict(enumerate(scan.classes)))
     if plot_image:
-        plot_class_distribution(scan, "class_distribution.png")
+        plot_class_distribution(scan.classes, list(map(len, scan.images)),
+                                "class_distribution.png")
     log.info("%d images for training, %d for validation", len(train_p), len(val_p))
     return train_p, train_y, val_p, val_y
-
-
-AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # torchvision's
-
-
-def augment_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags of ``args`` that :func:`get_transforms` takes, by the same names."""
-    return {k: getattr(args, k) for k in ("auto_augment", "ra_magnitude", "augmix_severity",
-                                          "random_erase", "interpolation", "val_resize_size",
-                                          "val_crop_size")}
-
-
-def get_transforms(img_size: int, decode: str = "workers", *, auto_augment: str | None = None,
-                   ra_magnitude: int = 9, augmix_severity: int = 3, random_erase: float = 0.0,
-                   interpolation: str = "bilinear", val_resize_size: int | None = None,
-                   val_crop_size: int | None = None) -> dict[str, Any]:
-    """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``,
-    validation as torchvision's (centre crop ``val_crop_size``, default ``img_size``, of a
-    resize to ``val_resize_size``, default the crop x 256/224); normalisation happens on the
-    device, so the workers send a quarter of the bytes. ``--decode device`` decodes and
-    augments there too.
-    torchvision's recipe adds a policy (``--auto-augment``) and ``--random-erase``, whose fill is
-    the mean colour (its 0 after normalisation); ``MyDataSet`` seeds each from (seed, epoch, i)."""
-    if decode == "device" and (auto_augment or random_erase or interpolation != "bilinear"):
-        raise ConfigError("--auto-augment, --random-erase and --interpolation run in the loader "
-                          "workers; drop them (or the run's), or use --decode workers.")
-    mode = v2.InterpolationMode(interpolation)
-    train = [v2.RandomResizedCrop(img_size, interpolation=mode), v2.RandomHorizontalFlip()]
-    warp = mode if interpolation != "bicubic" else v2.InterpolationMode.BILINEAR  # tensors' only
-    if auto_augment:
-        train.append({"ta_wide": lambda: v2.TrivialAugmentWide(interpolation=warp),
-                      "ra": lambda: v2.RandAugment(magnitude=ra_magnitude, interpolation=warp),
-                      "augmix": lambda: v2.AugMix(severity=augmix_severity, interpolation=warp)}
-                     .get(auto_augment, lambda: v2.AutoAugment(
-                         v2.AutoAugmentPolicy(auto_augment), interpolation=warp))())
-    if random_erase:
-        train.append(v2.RandomErasing(random_erase, value=[round(255 * m) for m in IMAGENET_MEAN]))
-    val_resize = val_resize_size or int((val_crop_size or img_size) * 256 / 224)
-    pipelines = {"train": v2.Compose(train),
-                 "val": v2.Compose([v2.Resize(val_resize, interpolation=mode),
-                                    v2.CenterCrop(val_crop_size or img_size)])}
-    return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
-
-
-# ------------------------------------------------------------ plots (files: pyplot only to show)
-def tick_label(name: str, width: int = 24) -> str:
-    """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
-    name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
-    name = printable_path(name)  # bytes that are not UTF-8 as \xNN: fonts refuse surrogates
-    if len(name) <= width:
-        return name
-    head = (width - 1) // 2
-    return name[:head] + "\u2026" + name[len(name) - (width - 1 - head):]
 
 
 def write_scan_files(out: Path, scan: FolderScan) -> None:
@@ -400,266 +340,28 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
         (out / "skipped_files.txt").write_text(
             "".join(f"{path}\t{why}\n" for path, why in scan.skipped), encoding="utf-8")
         log.warning("%s; the list is in %s", scan.summary(), out / "skipped_files.txt")
-    plot_class_distribution(scan, out / "class_distribution.png")
+    plot_class_distribution(scan.classes, list(map(len, scan.images)),
+                            out / "class_distribution.png")
     below = [len(os.path.join(scan.root, name, "")) for name in scan.classes]
     images = [[p[n:] for p in found] for n, found in zip(below, scan.images)]  # a third the bytes
     write_json_atomic(out / SCAN_FILE, {**vars(scan), "images": images}, compact=True)
 
 
-def plot_class_distribution(scan: FolderScan, path: str | os.PathLike) -> Path:
-    """Bar chart of images per class, saved as PNG; names and counts while they fit."""
-    from matplotlib.figure import Figure  # an optional extra, imported for a plot
-    counts = [len(x) for x in scan.images]
-    # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
-    fig = Figure(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
-    ax = fig.subplots()
-    if len(counts) <= 60:  # names on the axis while they fit
-        ax.bar_label(ax.bar(range(len(counts)), counts))
-        ax.set_xticks(range(len(counts)), map(tick_label, scan.classes), rotation=45, ha="right")
-    else:  # one artist: 1000 bars take a second or two to draw, at every fresh start
-        ax.stairs(counts, [i - 0.5 for i in range(len(counts) + 1)], fill=True)
-    ax.set(xlabel="image class", ylabel="number of images", title="class distribution")
-    with warnings.catch_warnings():
-        # CJK or emoji class names: the default font lacks them and warns once per glyph.
-        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
-        fig.tight_layout()
-        fig.savefig(path)
-    return Path(path)
-
-
-def plot_data_loader_image(data_loader: Iterable, classes: Sequence[str] | None = None,
-                           path: str | os.PathLike | None = None, count: int = 4) -> Any:
-    """The classic tutorial's look at a loader: the first ``count`` images of its first batch
-    (``uint8``, or normalised with ``IMAGENET_MEAN``/``STD``: undone), named by ``classes``
-    (default: ``class_indices.json`` here, as :func:`read_split_data` writes it). Saved to
-    ``path``, else shown by pyplot (a window where there is a screen). Returns the figure."""
-    import matplotlib.pyplot as plt  # an optional extra, imported for a plot
-    if classes is None and os.path.isfile("class_indices.json"):
-        classes = list(json.loads(Path("class_indices.json").read_text("utf-8")).values())
-    batch = next(iter(data_loader))  # --decode device: decoded here, on the CPU
-    images, labels = batch.to_device(torch.device("cpu")) if hasattr(batch, "to_device") else batch
-    if images.is_floating_point():
-        mean, std = (torch.tensor(v).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
-        images = (images[:count] * std + mean).mul(255).round().clamp(0, 255).to(torch.uint8)
-    fig, axes = plt.subplots(1, min(count, len(images)), squeeze=False, figsize=(2.5 * count, 3))
-    for ax, image, label in zip(axes.flat, images, labels.tolist()):
-        ax.imshow(image.permute(1, 2, 0).numpy())  # -100: an unreadable file (IGNORE_INDEX)
-        name = classes[label] if classes and 0 <= label < len(classes) else str(label)
-        ax.set(xticks=[], yticks=[], xlabel=tick_label(name))
-    if path is None:
-        plt.show()
-    else:
-        fig.savefig(path)
-        plt.close(fig)  # pyplot keeps each figure until closed
-    return fig
-
-
-def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.Dataset) -> Any:
-    """Rank 0's ``SummaryWriter`` in ``out/tensorboard`` (None on the other ranks), with 16
-    training images; a resumed run drops what a lost epoch logged, then continues."""
-    if not is_main_process():
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # an optional extra: imported when used
-    from torchvision.utils import make_grid
-
-    writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_epoch or None)
-    with torch.random.fork_rng(devices=[]):  # the crops leave the RNG as a resume restored it
-        batch = MyDataSet.collate_fn([train_set[i] for i in range(min(16, len(train_set)))])
-    images = batch.to_device(torch.device("cpu"))[0] if hasattr(batch, "to_device") else batch[0]
-    writer.add_image("train_images", make_grid(images, nrow=8), start_epoch)
-    return writer
-
-
-def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds: float,
-                 images_per_sec: float, ema: Any = None) -> dict[str, Any]:
-    """An epoch's line of ``metrics.jsonl`` (``result``: its ``evaluate()``; ``ema``: the
-    weights' average's, as ``ema_val_acc``, ...), logged."""
-    def scores(prefix: str, res: Any) -> dict[str, float | None]:
-        return {f"{prefix}val_acc": round(res.top1, 6), f"{prefix}val_loss": round(res.loss, 6),
-                f"{prefix}val_top5": None if res.top5 is None else round(res.top5, 6)}
-
-    record = {"epoch": epoch, "train_loss": round(train_loss, 6), **scores("", result),
-              **(scores("ema_", ema) if ema is not None else {})}
-    record.update(lr=lr, epoch_seconds=round(seconds, 3),
-                  train_images_per_sec=round(images_per_sec, 2))
-    log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
-             "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record)
-             + ("  EMA: val acc {ema_val_acc:.4f}  val loss {ema_val_loss:.4f}".format(**record)
-                if ema is not None else ""))
-    return record
-
-
-def log_epoch(writer: Any, record: dict[str, Any]) -> None:
-    """An epoch's ``metrics.jsonl`` record as TensorBoard scalars."""
-    for tag in ("train_loss", "val_acc", "val_loss", "lr", "train_images_per_sec", "ema_val_acc"):
-        if tag in record:
-            writer.add_scalar(tag, record[tag], record["epoch"])
-    writer.flush()
-
-
-def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:
-    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename).
-    ``compact``: one line, non-ASCII as ``\\u`` escapes (names that are not UTF-8 always)."""
-    path = Path(path)
-    text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
-    try:
-        tmp.write_bytes((text + "\n").encode("utf-8", "backslashreplace"))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def path_flag(text: str) -> str:
-    """argparse ``type=`` of a path flag: ``~`` expanded (the shell leaves ``--x=~/a`` and
-    quoted paths alone), an empty value refused (``--resume "$CKPT"`` with CKPT unset)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
-    return os.path.expanduser(text)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each default, except ``None`` ones: their help says what happens instead."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        return action.help or "" if action.default is None else super()._get_help_string(action)
-
-
-class BoolFlag(argparse.BooleanOptionalAction):
-    """``--x`` / ``--no-x``, and ``--x False`` as the classic template's users typed it."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, **kwargs)
-        self.nargs, self.metavar = "?", "BOOL"
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        if option_string.startswith("--no-") or values is None:
-            return super().__call__(parser, namespace, values, option_string)
-        if str(values).lower() not in ("true", "false", "1", "0", "yes", "no"):
-            parser.error(f"{option_string} takes no value or one of true/false, not {values!r}")
-        setattr(namespace, self.dest, str(values).lower() in ("true", "1", "yes"))
-
-
-def number(kind: type, low: float, high: float = math.inf, *,
-           above: bool = False) -> Callable[[str], float]:
-    """An argparse ``type`` for ``low <= x <= high`` (``above``: ``low < x``), naming the range."""
-    def parse(text: str) -> float:
-        value = kind(text)
-        inside = (value > low if above else value >= low) and value <= high
-        if not (math.isfinite(value) and inside):
-            bounds = f"{'above' if above else 'at least'} {low}" + (
-                f" and at most {high}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
-    return parse
-
-
-positive_int = number(int, 1)  # predict.py, plot_results.py
-
-
-# ---------------------------------------------------------------- demo data
-DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")  # as flower_photos
-
-
-def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
-    """A drawn "flower" of class ``cls`` (petal colour, count, shape and centre differ) with
-    jittered hue, size, position and clutter: learnable in a few CPU epochs, not trivially."""
-    def jitter(rgb: tuple[int, int, int], amount: int = 25) -> tuple[int, ...]:
-        return tuple(min(255, max(0, c + rng.randint(-amount, amount))) for c in rgb)
-
-    sky = rng.random() < 0.4
-    img = Image.new("RGB", (size, size), jitter((110, 160, 220) if sky else (50, 110, 45), 40))
-    draw = ImageDraw.Draw(img)
-    for _ in range(rng.randrange(4, 10)):  # leaves and blades of grass
-        x, y = rng.uniform(0, size), rng.uniform(0, size)
-        draw.line([(x, y), (x + rng.uniform(-12, 12), y - rng.uniform(5, 25))],
-                  fill=jitter((40, 120, 40), 35), width=rng.randrange(1, 4))
-
-    def oval(cx, cy, a, b, angle, n=10):  # n points of an ellipse turned by angle
-        return [(cx + a * math.cos(t) * math.cos(angle) - b * math.sin(t) * math.sin(angle),
-                 cy + a * math.cos(t) * math.sin(angle) + b * math.sin(t) * math.cos(angle))
-                for t in (2 * math.pi * k / n for k in range(n))]
-
-    for _ in range(rng.choice((1, 1, 2))):
-        r = rng.uniform(0.18, 0.32) * size
-        cx, cy = rng.uniform(r * 0.6, size - r * 0.6), rng.uniform(r * 0.6, size - r * 0.6)
-        draw.line([(cx, cy), (cx + rng.uniform(-5, 5), size)], fill=jitter((30, 110, 30)), width=2)
-        spin = rng.uniform(0, math.pi)
-        if cls in ("daisy", "sunflowers", "dandelion"):
-            petals = {"daisy": rng.randrange(10, 15), "sunflowers": rng.randrange(14, 20),
-                      "dandelion": rng.randrange(24, 34)}[cls]
-            width = {"daisy": 0.22, "sunflowers": 0.28, "dandelion": 0.1}[cls] * r
-            colour = (240, 240, 235) if cls == "daisy" else (245, 200, 30)
-            for k in range(petals):
-                angle = spin + 2 * math.pi * k / petals
-                px, py = cx + 0.55 * r * math.cos(angle), cy + 0.55 * r * math.sin(angle)
-                draw.polygon(oval(px, py, 0.48 * r, width, angle), fill=jitter(colour, 20))
-            centre, c = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
-                         "dandelion": ((230, 170, 20), 0.3)}[cls]
-            draw.ellipse([cx - c * r, cy - c * r, cx + c * r, cy + c * r], fill=jitter(centre, 20))
-        elif cls == "roses":
-            base = jitter((200, 25, 45), 30)
-            for layer in range(4):  # darker layers inwards
-                lr_ = r * (1 - 0.22 * layer)
-                draw.polygon(oval(cx, cy, lr_, lr_ * 0.9, spin + layer, n=7),
-                             fill=tuple(max(0, v - 25 * layer) for v in base))
-        else:  # tulips: a cup of three petals
-            colour = jitter(rng.choice(((230, 90, 170), (200, 80, 220), (240, 120, 150))), 20)
-            for offset in (-0.45, 0.0, 0.45):
-                draw.polygon(oval(cx + offset * r, cy, 0.35 * r, 0.8 * r, 0.0), fill=colour)
-            draw.rectangle([cx - 0.75 * r, cy + 0.15 * r, cx + 0.75 * r, cy + 0.6 * r], fill=colour)
-    return img.filter(ImageFilter.GaussianBlur(rng.uniform(0, 0.7)))
-
-
-def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64) -> Path:
-    """Write the demo dataset ``root/<class>/NNNN.jpg`` (5 flower classes, the same every time)
-    unless it is there, and return ``root``. Processes may call it at once: each draws into a
-    temporary folder and renames it into place; the first rename wins."""
-    root = Path(root)
-    if root.is_dir():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
-    try:
-        for cls in DEMO_CLASSES:
-            (tmp / cls).mkdir()
-            rng = random.Random(f"0-{cls}")
-            for i in range(per_class):
-                _draw_demo_image(cls, rng, size).save(tmp / cls / f"{i:04d}.jpg", quality=90)
-        os.rename(tmp, root)
-    except OSError:
-        if not root.is_dir():  # not another process's rename that won: a real error
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
-
-
-def user_cache_dir(instead: str) -> Path:
-    """``$XDG_CACHE_HOME`` or ``~/.cache``; where the user has no home folder (some containers)
-    a :class:`DataError` that ends with ``instead``, the flag naming another folder."""
-    try:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    except (RuntimeError, KeyError):  # KeyError: Python < 3.12 without a user database entry
-        raise DataError(f"this user has no home folder to keep a cache in; {instead}.") from None
-
-
-def imagenet_layout(args: argparse.Namespace) -> None:
-    """A ``--data-path D`` in torchvision's (ImageNet's) layout, ``D/train/<class>/`` and
-    ``D/val/<class>/``, is read as ``--data-path D/train --val-path D/val`` (``--eval-only``:
-    ``--val-path D/val`` alone, so the training images are not listed), and said so. Refused:
-    no ``val/`` beside such a ``train/`` (``valid/``, ``test/``: D's own folders would be taken
-    as classes), a ``val/`` with images outside class folders (ILSVRC2012's ships flat), or
-    with other classes than ``train/`` (a copy or sort left half done)."""
-    root = Path(args.data_path or "")
+def imagenet_layout(data_path: str | None, val_path: str | None, *, eval_only: bool = False
+                    ) -> tuple[str | None, str | None]:
+    """``(data_path, val_path)``; a ``data_path`` D in torchvision's (ImageNet's) layout,
+    ``D/train/<class>/`` and ``D/val/<class>/``, becomes ``(D/train, D/val)`` (``eval_only``:
+    ``(None, D/val)``, so the training images are not listed), said so. Refused: no ``val/``
+    beside such a ``train/`` (``valid/``, ``test/``: D's own folders would be taken as
+    classes), a ``val/`` with images outside class folders (ILSVRC2012's ships flat), or with
+    other classes than ``train/`` (a copy or sort left half done)."""
+    root = Path(data_path or "")
     train, val = root / "train", root / "val"
-    if not args.data_path or args.val_path or not train.is_dir():
-        return
+    if not data_path or val_path or not train.is_dir():
+        return data_path, val_path
     classes = _class_folders(str(train), {})[0]
     if not classes:  # train/ holds images itself: a class named "train"
-        return
+        return data_path, val_path
     if not val.is_dir():
         raise DataError(f"{train} holds class folders, but {root} has no val/ beside it, so its "
                         f"own folders would be taken as classes; give --data-path {train} (which "
@@ -677,15 +379,7 @@ def imagenet_layout(args: argparse.Namespace) -> None:
         raise DataError(f"{train} and {val} have different class folders ({', '.join(differ[:5])}"
                         " in one only); give both the same classes (or, to validate on some, "
                         f"--data-path {train} --val-path {val}).")
-    args.data_path = None if args.eval_only else str(train)
-    args.val_path = str(val)
+    data_path = None if eval_only else str(train)
     log.info("%s holds train/ and val/: training on %s, validating on %s", root,
-             args.data_path or "none", args.val_path)
-
-
-def default_demo_root() -> Path:
-    """Where the demo data is cached: ``$DDP_DEMO_DATA`` or the user's cache folder."""
-    if os.environ.get("DDP_DEMO_DATA"):
-        return Path(os.environ["DDP_DEMO_DATA"])
-    return user_cache_dir("pass --demo-dir a folder you can write, or --data-path your own "
-                          "images") / "ddp-template" / "demo_flowers_v1"
+             data_path or "none", val)
+    return data_path, str(val)
