@@ -137,10 +137,10 @@ def main(args: argparse.Namespace) -> None:
     # 4. Optimizer and schedule: SGD on a cosine, or torchvision's recipe (--opt, ...: recipe.py).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
-    optimizer = make_optimizer(model_without_ddp, args, images_per_step)  # SGD by default
-    scheduler = lr_schedule(optimizer, args)  # a LambdaLR, once per epoch
-    ema = ModelEma.create(model_without_ddp, args, images_per_step, device)  # --model-ema
-    mix = BatchMix.create(args, len(classes))  # --mixup-alpha, --cutmix-alpha
+    optimizer = make_optimizer(model_without_ddp, **optimizer_kwargs(args, images_per_step))
+    scheduler = lr_schedule(optimizer, **schedule_kwargs(args))  # a LambdaLR, once per epoch
+    ema = ModelEma.create(model_without_ddp, **ema_kwargs(args, images_per_step))  # --model-ema
+    mix = BatchMix.create(len(classes), args.mixup_alpha, args.cutmix_alpha, seed=args.seed)
 
     # 5. Resume: weights, optimizer, RNG, the schedule's place and the epoch's (its next batch).
     start_epoch, best_acc, best_loss, history, progress = 0, 0.0, math.inf, [], EpochProgress()
@@ -216,7 +216,14 @@ def check_args(args: argparse.Namespace, world_size: int
     its data layout; and the defaults for flags a continued run takes from its checkpoint."""
     args = argparse.Namespace(**vars(args))  # main(args) twice: the same run
     imagenet_layout(args)  # D/train and D/val: --data-path D/train --val-path D/val
-    defaults = {**RUN_DEFAULTS, **resolve_recipe(args)}
+    flags, val_sizes = resolve_recipe(  # torchvision's flags keep its meanings and defaults
+        opt=args.opt, lr_scheduler=args.lr_scheduler, lr_step_size=args.lr_step_size,
+        lr_gamma=args.lr_gamma, scale_lr=args.scale_lr)
+    vars(args).update(flags)  # recorded: a continued run compares them with its own
+    defaults = {**RUN_DEFAULTS, **val_sizes}  # given sizes, or the continued run's, come first
+    if args.lr_warmup_epochs >= args.epochs:
+        raise ConfigError(f"--lr-warmup-epochs {args.lr_warmup_epochs} leaves no epoch of the "
+                          f"{args.epochs} for the schedule; lower it or raise --epochs.")
     if args.model:  # a ViT's weights by name: the size they were trained at
         defaults["img_size"] = weights_size(args.model, args.weights) or defaults["img_size"]
     out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
@@ -237,6 +244,33 @@ def check_args(args: argparse.Namespace, world_size: int
     check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook,
                    model_ema=args.model_ema)
     return args, defaults
+
+
+def optimizer_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
+    """The flags as :func:`make_optimizer`'s arguments. The template's --lr is one process's and
+    grows with the images per step (linear scaling, Goyal et al. 2017, arXiv:1706.02677: N
+    processes average N times as many images); torchvision's (--no-scale-lr) is the total."""
+    lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
+    return dict(opt=args.opt, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                norm_weight_decay=args.norm_weight_decay, bias_weight_decay=args.bias_weight_decay,
+                transformer_embedding_decay=args.transformer_embedding_decay)
+
+
+def schedule_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as :func:`lr_schedule`'s arguments."""
+    return dict(epochs=args.epochs, lr_scheduler=args.lr_scheduler, lrf=args.lrf,
+                lr_min=args.lr_min, lr_step_size=args.lr_step_size, lr_gamma=args.lr_gamma,
+                warmup_epochs=args.lr_warmup_epochs, warmup_method=args.lr_warmup_method,
+                warmup_decay=args.lr_warmup_decay)
+
+
+def ema_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
+    """The flags as :class:`ModelEma`'s arguments: --model-ema-decay adjusted, as torchvision's,
+    to the images per update and the epochs (the average spans the same share of training)."""
+    adjust = images_per_step * args.model_ema_steps / args.epochs
+    decay = 1.0 - min(1.0, (1.0 - args.model_ema_decay) * adjust)
+    return dict(enabled=args.model_ema, decay=decay, every=args.model_ema_steps,
+                warmup_epochs=args.lr_warmup_epochs)
 
 
 def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
