@@ -138,9 +138,9 @@ def main(args: argparse.Namespace) -> None:
     # 4. Optimizer: SGD by default, or torchvision's recipe (--opt, ...: recipe.py).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
-    optimizer = make_optimizer(model_without_ddp, args, images_per_step)  # SGD by default
-    ema = ModelEma.create(model_without_ddp, args, images_per_step, device)  # --model-ema
-    mix = BatchMix.create(args, len(classes))  # --mixup-alpha, --cutmix-alpha
+    optimizer = make_optimizer(model_without_ddp, **optimizer_kwargs(args, images_per_step))
+    ema = ModelEma.create(model_without_ddp, **ema_kwargs(args, images_per_step))  # --model-ema
+    mix = BatchMix.create(len(classes), args.mixup_alpha, args.cutmix_alpha, seed=args.seed)
 
     # 5. Resume: each resumable part registered once; loading and saving are one call each.
     train = TrainState(classes, run_args(args, info, images_per_step), file_list=scan.digest)
@@ -152,7 +152,7 @@ def main(args: argparse.Namespace) -> None:
         checkpointer.load(ckpt_path, partial(check, flags=train.flags, lr=optimizer.param_groups[
             0]["lr"], inert=inert_flags(model_without_ddp)))
         scan.resume_epoch(train.progress, train.saved, out, train_paths)  # its own images
-    scheduler = lr_schedule(optimizer, args, start_epoch=train.epoch)  # a LambdaLR, per epoch
+    scheduler = lr_schedule(optimizer, **schedule_kwargs(args), start_epoch=train.epoch)
     run_on_main(write_metrics, out, train.metrics)  # each finished epoch once, as saved
     if train.epoch >= args.epochs:
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
@@ -220,7 +220,14 @@ def check_args(args: argparse.Namespace, world_size: int
     args = argparse.Namespace(**vars(args))  # main(args) twice: the same run
     args.data_path, args.val_path = imagenet_layout(  # D holding train/ and val/: D/train, D/val
         args.data_path, args.val_path, eval_only=args.eval_only)
-    defaults = {**RUN_DEFAULTS, **resolve_recipe(args)}
+    flags, val_sizes = resolve_recipe(  # torchvision's flags keep its meanings and defaults
+        opt=args.opt, lr_scheduler=args.lr_scheduler, lr_step_size=args.lr_step_size,
+        lr_gamma=args.lr_gamma, scale_lr=args.scale_lr)
+    vars(args).update(flags)  # recorded: a continued run compares them with its own
+    defaults = {**RUN_DEFAULTS, **val_sizes}  # given sizes, or the continued run's, come first
+    if args.lr_warmup_epochs >= args.epochs:
+        raise ConfigError(f"--lr-warmup-epochs {args.lr_warmup_epochs} leaves no epoch of the "
+                          f"{args.epochs} for the schedule; lower it or raise --epochs.")
     if args.model:  # a ViT's weights by name: the size they were trained at
         defaults["img_size"] = weights_size(args.model, args.weights) or defaults["img_size"]
     out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
@@ -241,6 +248,33 @@ def check_args(args: argparse.Namespace, world_size: int
     check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook,
                    model_ema=args.model_ema)
     return args, defaults
+
+
+def optimizer_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
+    """The flags as :func:`make_optimizer`'s arguments. The template's --lr is one process's and
+    grows with the images per step (linear scaling, Goyal et al. 2017, arXiv:1706.02677: N
+    processes average N times as many images); torchvision's (--no-scale-lr) is the total."""
+    lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
+    return dict(opt=args.opt, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                norm_weight_decay=args.norm_weight_decay, bias_weight_decay=args.bias_weight_decay,
+                transformer_embedding_decay=args.transformer_embedding_decay)
+
+
+def schedule_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as :func:`lr_schedule`'s arguments."""
+    return dict(epochs=args.epochs, lr_scheduler=args.lr_scheduler, lrf=args.lrf,
+                lr_min=args.lr_min, lr_step_size=args.lr_step_size, lr_gamma=args.lr_gamma,
+                warmup_epochs=args.lr_warmup_epochs, warmup_method=args.lr_warmup_method,
+                warmup_decay=args.lr_warmup_decay)
+
+
+def ema_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
+    """The flags as :class:`ModelEma`'s arguments: --model-ema-decay adjusted, as torchvision's,
+    to the images per update and the epochs (the average spans the same share of training)."""
+    adjust = images_per_step * args.model_ema_steps / args.epochs
+    decay = 1.0 - min(1.0, (1.0 - args.model_ema_decay) * adjust)
+    return dict(enabled=args.model_ema, decay=decay, every=args.model_ema_steps,
+                warmup_epochs=args.lr_warmup_epochs)
 
 
 def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
@@ -298,7 +332,8 @@ def flag_changes(saved: dict[str, Any], flags: dict[str, Any], inert: Collection
     """The flags a continued run gives other values than the run ``saved``: (refused, applied),
     by :data:`REFUSED` and :data:`ONE_RUN_ONLY`. ``inert`` (``recipe.inert_flags``): flags this
     model does not use, never refused."""
-    given = {k: v for k, v in flags.items() if k not in NOT_COMPARED}
+    given, saved = {k: v for k, v in flags.items() if k not in NOT_COMPARED}, {
+        **BEFORE_RECIPES, **saved}
     if not (saved.get("ra_sampler") or given.get("ra_sampler")):  # no repeats: --ra-reps unused
         inert = {*inert, "ra_reps"}
     return compare_flags(saved, given, lambda key: key not in inert and (
@@ -313,6 +348,11 @@ REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights", "opt", "ra_s
 # a weight decay of its own changes the optimizer's groups.
 ONE_RUN_ONLY = ("val_path", "norm_weight_decay", "bias_weight_decay",
                 "transformer_embedding_decay")
+BEFORE_RECIPES = {  # what runs saved before torchvision's recipe flags trained with
+    "opt": "sgd", "lr_scheduler": "cosine", "lr_warmup_epochs": 0, "label_smoothing": 0.0,
+    "mixup_alpha": 0.0, "cutmix_alpha": 0.0, "auto_augment": None, "random_erase": 0.0,
+    "model_ema": False, "ra_sampler": False, "ra_reps": 3, "norm_weight_decay": None,
+    "bias_weight_decay": None, "transformer_embedding_decay": None}
 NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
 # Not given, these are the run's (run_flags); a new run's defaults:
 RUN_DEFAULTS = {"model": "resnet34", "img_size": 224, "val_resize_size": None,

@@ -1,11 +1,11 @@
 """torchvision's training recipe, each piece exactly resumable: its optimizers with their
 weight-decay groups, warmup and lr schedules, mixup/cutmix and the EMA of the weights, under
-the flag names of ``references/classification/train.py`` (docs/recipes.md).
+the names of ``references/classification/train.py``'s flags (docs/recipes.md).
 
-    optimizer = make_optimizer(model, args, images_per_step)       # --opt, --*-weight-decay
-    scheduler = lr_schedule(optimizer, args)                       # a LambdaLR, once per epoch
-    ema = ModelEma.create(model, args, images_per_step, device)    # None without --model-ema
-    mix = BatchMix.create(args, num_classes)                       # None without mixup/cutmix
+    optimizer = make_optimizer(model, opt="sgd", lr=0.1, momentum=0.9, weight_decay=1e-4)
+    scheduler = lr_schedule(optimizer, epochs=90, lr_scheduler="steplr", ...)  # once per epoch
+    ema = ModelEma(model, decay=0.999, every=32, warmup_epochs=0)
+    mix = BatchMix.create(num_classes, mixup_alpha=0.2, cutmix_alpha=1.0, seed=0)  # None: off
 
 Every random draw that is new here comes from (seed, epoch, rank, batch) or (seed, epoch,
 image), and the only new state is the EMA's, saved in the checkpoint: a run stopped part-way
@@ -20,10 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim import lr_scheduler
+from torch.optim import lr_scheduler as schedulers
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from .guard import ConfigError
 from .strategy import share_buffers
 from .train_eval_utils import cosine_schedule
 
@@ -35,61 +34,54 @@ NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
 EMBEDDINGS = ("class_token", "position_embedding", "relative_position_bias_table")
 
 
-def resolve_recipe(args: Any) -> dict[str, int]:
-    """Fill the recipe flags that depend on others, in ``args`` before it is recorded, and say
-    so. With torchvision's ``--opt``, ``--lr-scheduler``, ``--lr-step-size`` or ``--lr-gamma``
-    (alone, they choose its default ``steplr``) its meanings hold: ``--lr`` is the whole
-    batch's, not scaled (``--scale-lr``), and validation crops 224 of 256: the defaults
-    returned, which the sizes given, or those of the run continued, override."""
-    step = args.lr_step_size is not None or args.lr_gamma is not None
-    recipe = args.opt is not None or args.lr_scheduler is not None or step
-    if recipe:  # torchvision's meaning of its flags, and its defaults where the command is silent
-        log.info("torchvision's recipe flags: --lr %g is the lr of all processes' batch%s; "
-                 "validation crops 224 of 256 unless --val-crop-size/--val-resize-size or the "
-                 "run continued say otherwise", args.lr,
-                 "" if args.scale_lr else ", not scaled with the world size")
-    args.scale_lr = not recipe if args.scale_lr is None else args.scale_lr
-    args.lr_scheduler = args.lr_scheduler or ("steplr" if step else "cosine")
-    args.opt = args.opt or "sgd"
-    args.lr_step_size = 30 if args.lr_step_size is None else args.lr_step_size
-    args.lr_gamma = 0.1 if args.lr_gamma is None else args.lr_gamma
-    if args.lr_warmup_epochs >= args.epochs:
-        raise ConfigError(f"--lr-warmup-epochs {args.lr_warmup_epochs} leaves no epoch of the "
-                          f"{args.epochs} for the schedule; lower it or raise --epochs.")
-    return {"val_resize_size": 256, "val_crop_size": 224} if recipe else {}
+def resolve_recipe(*, opt: str | None, lr_scheduler: str | None, lr_step_size: int | None,
+                   lr_gamma: float | None, scale_lr: bool | None
+                   ) -> tuple[dict[str, Any], dict[str, int]]:
+    """torchvision's ``opt``, ``lr_scheduler``, ``lr_step_size``, ``lr_gamma`` and ``scale_lr``
+    (None: not given) filled in, and the validation sizes to default to. Given any of the four
+    (a step size or gamma alone chooses its ``steplr``), torchvision's meanings hold, and say
+    so: the lr is the whole batch's, not scaled, and validation crops 224 of 256."""
+    step = lr_step_size is not None or lr_gamma is not None
+    torchvision = opt is not None or lr_scheduler is not None or step
+    scale_lr = not torchvision if scale_lr is None else scale_lr
+    if torchvision:
+        log.info("torchvision's recipe flags: --lr is %s; validation crops 224 of 256 unless "
+                 "--val-crop-size/--val-resize-size or the run continued say otherwise",
+                 "one process's, scaled with the world size (--scale-lr)" if scale_lr else
+                 "the lr of all processes' batch, not scaled with the world size")
+    flags = {"opt": opt or "sgd", "lr_scheduler": lr_scheduler or ("steplr" if step else "cosine"),
+             "lr_step_size": 30 if lr_step_size is None else lr_step_size,
+             "lr_gamma": 0.1 if lr_gamma is None else lr_gamma, "scale_lr": scale_lr}
+    return flags, {"val_resize_size": 256, "val_crop_size": 224} if torchvision else {}
 
 
-def make_optimizer(model: nn.Module, args: Any, images_per_step: int) -> torch.optim.Optimizer:
-    """The ``--opt`` optimizer over ``model``'s trainable parameters. The template's
-    ``--lr`` is one process's and grows with the images per step (linear scaling, Goyal et al.
-    2017, arXiv:1706.02677: N processes average N times as many images); torchvision's is
-    already the total. Weight-decay groups as torchvision's ``set_weight_decay``: norm layers'
-    parameters (``--norm-weight-decay``), biases and transformer embeddings matched by name."""
-    lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
-    custom = ([("bias", args.bias_weight_decay)] if args.bias_weight_decay is not None else [])
-    if args.transformer_embedding_decay is not None:
-        custom += [(key, args.transformer_embedding_decay) for key in EMBEDDINGS]
-    groups: dict[str, list[nn.Parameter]] = {"other": [], "norm": [], **{k: [] for k, _ in custom}}
-    decay = {"other": args.weight_decay, "norm": args.norm_weight_decay, **dict(custom)}
+def make_optimizer(model: nn.Module, *, opt: str, lr: float, momentum: float,
+                   weight_decay: float, norm_weight_decay: float | None = None,
+                   bias_weight_decay: float | None = None,
+                   transformer_embedding_decay: float | None = None) -> torch.optim.Optimizer:
+    """The ``opt`` optimizer (one of ``OPTIMIZERS``) over ``model``'s trainable parameters, in
+    the weight-decay groups of torchvision's ``set_weight_decay``: norm layers' parameters
+    (``norm_weight_decay``), biases and transformer embeddings matched by name; each group
+    left None takes ``weight_decay``."""
+    custom = {} if bias_weight_decay is None else {"bias": bias_weight_decay}
+    if transformer_embedding_decay is not None:
+        custom.update(dict.fromkeys(EMBEDDINGS, transformer_embedding_decay))
+    decay = {"other": weight_decay, "norm": norm_weight_decay, **custom}
+    groups: dict[str, list[nn.Parameter]] = {key: [] for key in decay}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad:
-                continue  # --freeze-layers
-            key = next((k for k, _ in custom if k == name), None)  # a custom key first
-            if key is None:
-                key = "norm" if args.norm_weight_decay is not None and isinstance(
-                    module, NORMS) else "other"
-            groups[key].append(param)
+                continue  # frozen (--freeze-layers)
+            norm = norm_weight_decay is not None and isinstance(module, NORMS)
+            groups[name if name in custom else "norm" if norm else "other"].append(param)
     params = [{"params": p, "weight_decay": decay[k]} for k, p in groups.items() if p]
-    if args.opt.startswith("sgd"):
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum,
-                                    nesterov=args.opt == "sgd_nesterov")
-    elif args.opt == "rmsprop":  # torchvision's eps and alpha (TensorFlow's, for MobileNet)
-        optimizer = torch.optim.RMSprop(params, lr=lr, momentum=args.momentum, eps=0.0316,
-                                        alpha=0.9)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=lr)
-    return optimizer
+    if opt in ("sgd", "sgd_nesterov"):
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=opt == "sgd_nesterov")
+    if opt == "rmsprop":  # torchvision's eps and alpha (TensorFlow's, for MobileNet)
+        return torch.optim.RMSprop(params, lr=lr, momentum=momentum, eps=0.0316, alpha=0.9)
+    if opt == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"opt {opt!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
 def inert_flags(model: nn.Module) -> list[str]:
@@ -102,60 +94,66 @@ def inert_flags(model: nn.Module) -> list[str]:
     return [flag for flag, has in found.items() if not has]
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, args: Any, start_epoch: int = 0
-                ) -> lr_scheduler.LambdaLR:
-    """``--lr-scheduler`` after ``--lr-warmup-epochs`` W, stepped once per epoch, as a LambdaLR
-    of the factors torch's own schedulers give (run here on a stand-in optimizer): a resumed or
-    longer run lays them out anew, and no scheduler state needs saving. ``cosine``: the lr
-    falls to ``lr x --lrf`` on a half cosine (SGDR, arXiv:1608.03983)."""
-    lr, epochs, warm = optimizer.param_groups[0]["lr"], args.epochs, args.lr_warmup_epochs
-    for group in optimizer.param_groups:  # the base: this run's lr, when it resumes too
+def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: str, lrf: float,
+                lr_min: float, lr_step_size: int, lr_gamma: float, warmup_epochs: int,
+                warmup_method: str, warmup_decay: float, start_epoch: int = 0
+                ) -> schedulers.LambdaLR:
+    """``lr_scheduler`` (one of ``SCHEDULES``) over ``epochs``, after ``warmup_epochs`` W (from
+    ``lr x warmup_decay``, ``"linear"``ly or ``"constant"``), stepped once per epoch, as a
+    LambdaLR of the factors torch's own schedulers give (run here on a stand-in optimizer): a
+    resumed or longer run lays them out anew from ``start_epoch``, and no scheduler state needs
+    saving. ``cosine``: the lr falls to ``lr x lrf`` on a half cosine (SGDR, arXiv:1608.03983)."""
+    lr, warm = optimizer.param_groups[0]["lr"], warmup_epochs
+    for group in optimizer.param_groups:  # LambdaLR's base: this run's lr, resumed or not
         group["initial_lr"] = group["lr"]
-    if args.lr_scheduler == "cosine" and not warm:  # the template's own: its exact factors
-        return cosine_schedule(optimizer, epochs, args.lrf, last_epoch=start_epoch - 1)
+    if lr_scheduler == "cosine" and not warm:  # the template's own: its exact factors
+        return cosine_schedule(optimizer, epochs, lrf, last_epoch=start_epoch - 1)
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     schedule = {
-        "cosine": lambda: cosine_schedule(probe, epochs - warm, args.lrf),
-        "cosineannealinglr": lambda: lr_scheduler.CosineAnnealingLR(
-            probe, T_max=epochs - warm, eta_min=args.lr_min),
-        "steplr": lambda: lr_scheduler.StepLR(probe, args.lr_step_size, gamma=args.lr_gamma),
-        "exponentiallr": lambda: lr_scheduler.ExponentialLR(probe, gamma=args.lr_gamma),
-    }[args.lr_scheduler]()
+        "cosine": lambda: cosine_schedule(probe, epochs - warm, lrf),
+        "cosineannealinglr": lambda: schedulers.CosineAnnealingLR(
+            probe, T_max=epochs - warm, eta_min=lr_min),
+        "steplr": lambda: schedulers.StepLR(probe, lr_step_size, gamma=lr_gamma),
+        "exponentiallr": lambda: schedulers.ExponentialLR(probe, gamma=lr_gamma),
+    }[lr_scheduler]()
     if warm:
-        warmup = (lr_scheduler.LinearLR(probe, args.lr_warmup_decay, total_iters=warm)
-                  if args.lr_warmup_method == "linear" else
-                  lr_scheduler.ConstantLR(probe, args.lr_warmup_decay, total_iters=warm))
-        schedule = lr_scheduler.SequentialLR(probe, [warmup, schedule], milestones=[warm])
+        warmup = (schedulers.LinearLR(probe, warmup_decay, total_iters=warm)
+                  if warmup_method == "linear" else
+                  schedulers.ConstantLR(probe, warmup_decay, total_iters=warm))
+        schedule = schedulers.SequentialLR(probe, [warmup, schedule], milestones=[warm])
     factors = []
     for _ in range(epochs + 1):
         factors.append(probe.param_groups[0]["lr"] / lr)
         probe.step()  # no gradient: changes nothing, but the scheduler expects it first
         schedule.step()
-    return lr_scheduler.LambdaLR(optimizer, lambda epoch: factors[min(epoch, epochs)],
-                                 last_epoch=start_epoch - 1)
+    return schedulers.LambdaLR(optimizer, lambda epoch: factors[min(epoch, epochs)],
+                               last_epoch=start_epoch - 1)
 
 
 class ModelEma(AveragedModel):
-    """An exponential moving average of the weights and buffers (``--model-ema``), updated
-    every ``--model-ema-steps`` optimizer steps as torchvision's recipe does, its decay adjusted
-    for the images per update and the epochs; a copy of the model held on every rank, the same
-    on each. During warmup it follows the weights. Its ``state_dict`` (``n_averaged`` too) is
-    saved with the checkpoint."""
+    """An exponential moving average of the weights and buffers, updated every ``every``
+    optimizer steps with weight ``1 - decay`` as torchvision's recipe does (``--model-ema``); a
+    copy of the model held on every rank, the same on each. During ``warmup_epochs`` it follows
+    the weights. Its ``state_dict`` (``n_averaged`` too) is saved with the checkpoint."""
 
-    def __init__(self, model: nn.Module, device: torch.device, decay: float, every: int,
-                 warmup_epochs: int) -> None:
-        super().__init__(model, device, multi_avg_fn=get_ema_multi_avg_fn(decay),
-                         use_buffers=True)
-        self.every, self.warmup_epochs = every, warmup_epochs
+    def __init__(self, model: nn.Module, *, decay: float, every: int, warmup_epochs: int) -> None:
+        super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.every, self.warmup_epochs, self.source = every, warmup_epochs, [model]  # unregistered
 
     @classmethod
-    def create(cls, model: nn.Module, args: Any, images_per_step: int, device: torch.device
-               ) -> ModelEma | None:
-        if not args.model_ema:
+    def create(cls, model: nn.Module, *, enabled: bool, decay: float, every: int,
+               warmup_epochs: int) -> ModelEma | None:
+        """The average of ``model``, or None where not ``enabled`` (as ``BatchMix.create``)."""
+        if not enabled:
             return None
-        adjust = images_per_step * args.model_ema_steps / args.epochs
-        alpha = min(1.0, (1.0 - args.model_ema_decay) * adjust)
-        return cls(model, device, 1.0 - alpha, args.model_ema_steps, args.lr_warmup_epochs)
+        return cls(model, decay=decay, every=every, warmup_epochs=warmup_epochs)
+
+    def load_missing(self, path: str) -> None:
+        """A checkpoint without an average (``--model-ema`` new to a continued run): it starts
+        from the weights just loaded (``n_averaged`` 0: its next update copies them again)."""
+        self.module.load_state_dict(self.source[0].state_dict())
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("%s holds no --model-ema average: it starts from these weights", path)
 
     def after_step(self, model: nn.Module, epoch: int, step: int) -> None:
         """After optimizer step ``step`` (from 1) of ``epoch``, on every rank."""
@@ -169,27 +167,27 @@ class ModelEma(AveragedModel):
 
 
 class BatchMix:
-    """``--mixup-alpha``/``--cutmix-alpha``: torchvision's ``v2.MixUp`` or ``v2.CutMix`` (one
-    of the two, at random, when both are set) on each training batch, ``(N, 3, H, W), (N,) ->
-    (N, 3, H, W), (N, C)`` class probabilities. Drawn from (seed, epoch, rank, batch), so a
-    resumed epoch mixes its batches as the uninterrupted one did."""
+    """torchvision's ``v2.MixUp`` or ``v2.CutMix`` (one of the two, at random, when both are
+    on) on each training batch, ``(N, 3, H, W), (N,) -> (N, 3, H, W), (N, C)`` class
+    probabilities. Drawn from (seed, epoch, rank, batch), so a resumed epoch mixes its batches
+    as the uninterrupted one did."""
 
     def __init__(self, transform: Any, seed: int, num_classes: int) -> None:
         self.transform, self.seed, self.num_classes = transform, seed, num_classes
 
     @classmethod
-    def create(cls, args: Any, num_classes: int) -> BatchMix | None:
+    def create(cls, num_classes: int, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, *,
+               seed: int) -> BatchMix | None:
+        """Mixup and/or cutmix with these Beta(alpha, alpha) parameters; None when both are 0."""
         from torchvision.transforms import v2
 
         # One class more: an unreadable image's (below), whose share of a target is dropped.
-        mixes = ([v2.MixUp(alpha=args.mixup_alpha, num_classes=num_classes + 1)]
-                 if args.mixup_alpha else [])
-        if args.cutmix_alpha:
-            mixes.append(v2.CutMix(alpha=args.cutmix_alpha, num_classes=num_classes + 1))
+        mixes = [kind(alpha=alpha, num_classes=num_classes + 1)
+                 for kind, alpha in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if alpha]
         if not mixes:
             return None
         log.info("mixup/cutmix: the training loss is against mixed targets (val is not mixed)")
-        return cls(v2.RandomChoice(mixes), args.seed, num_classes)
+        return cls(v2.RandomChoice(mixes), seed, num_classes)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, batch: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,24 +21,28 @@ from torchvision.transforms import v2
 
 from conftest import (LAUNCH, ROOT, assert_same_run, assert_same_tensors, assert_user_error, flags,
                       load_ckpt, make_stopper, ranks, read_metrics)
-from multi_train_utils.checkpoint import (BEFORE_RECIPES, changed_flags, recorded_defaults,
-                                          restore, whole_state)
+from multi_train_utils.checkpoint import Checkpointer, ModelState, OptimizerState
+from multi_train_utils.checkpoint_io import whole_state
 from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import (BatchMix, ModelEma, inert_flags, lr_schedule,
                                       make_optimizer, resolve_recipe)
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from predict import load_predictor
 from test_bad_data import make_class
-from train_multi_gpu_using_launch import (RUN_DEFAULTS, check_args, get_args_parser,
-                                          run_flags)
+from train_multi_gpu_using_launch import (BEFORE_RECIPES, check_args, ema_kwargs, flag_changes,
+                                          get_args_parser, optimizer_kwargs, run_flags,
+                                          schedule_kwargs)
 from augment import get_transforms
 from image_folder import DataError, imagenet_layout
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    args = get_args_parser().parse_args(list(argv))
-    resolve_recipe(args)
-    return args
+    """The flags as ``main`` has them: parsed, and completed by ``check_args``."""
+    return check_args(get_args_parser().parse_args(list(argv)), 1)[0]
+
+
+def vparse(*argv: str) -> dict:
+    return vars(parse(*argv))
 
 
 # ---------------------------------------------------------------- torchvision's, copied
@@ -109,7 +113,7 @@ def test_weight_decay_groups_are_torchvisions(model_name, argv, custom, groups):
     with torch.device("meta"):
         model = torchvision.models.get_model(model_name, num_classes=5)
     args = parse("--opt", "adamw", "--wd", "0.05", *argv)
-    ours = make_optimizer(model, args, images_per_step=16).param_groups
+    ours = make_optimizer(model, **optimizer_kwargs(args, images_per_step=16)).param_groups
     theirs = set_weight_decay(model, 0.05, args.norm_weight_decay,
                               custom_keys_weight_decay=custom)
     assert [(g["weight_decay"], [id(p) for p in g["params"]]) for g in ours] == \
@@ -125,9 +129,14 @@ def test_weight_decay_groups_are_torchvisions(model_name, argv, custom, groups):
 ])
 def test_opt_builds_torchvisions_optimizer_at_the_total_lr(opt, kind, settings):
     model = nn.Linear(3, 2)
-    optimizer = make_optimizer(model, parse("--opt", opt, "--lr", "0.5"), images_per_step=64)
+    args = parse("--opt", opt, "--lr", "0.5")
+    optimizer = make_optimizer(model, **optimizer_kwargs(args, images_per_step=64))
     assert type(optimizer) is kind and optimizer.param_groups[0]["lr"] == 0.5  # not scaled
     assert settings.items() <= optimizer.param_groups[0].items()
+    # The template's own --lr is one process's batch's (16): x4 for 64 images a step.
+    assert optimizer_kwargs(parse("--lr", "0.5"), images_per_step=64)["lr"] == 2.0
+    with pytest.raises(ValueError, match="^opt 'lamb' is not one of sgd, sgd_nesterov, "):
+        make_optimizer(model, opt="lamb", lr=0.5, momentum=0.9, weight_decay=0.0)
 
 
 # ---------------------------------------------------------------- the schedule
@@ -165,7 +174,8 @@ def test_schedules_give_torchvisions_lr_each_epoch(warmup, main):
     argv, epochs = ["--lr", "0.5", *main, *warmup], 12
     model = nn.Linear(2, 2)
     args = parse("--epochs", str(epochs), *argv)
-    scheduler = lr_schedule(make_optimizer(model, args, 16), args)
+    scheduler = lr_schedule(make_optimizer(model, **optimizer_kwargs(args, 16)),
+                            **schedule_kwargs(args))
     ours = [scheduler.lr_lambdas[0](e) * 0.5 for e in range(epochs)]
     assert ours == pytest.approx(torchvision_lrs(argv, epochs), rel=1e-12, abs=1e-15)
 
@@ -173,7 +183,8 @@ def test_schedules_give_torchvisions_lr_each_epoch(warmup, main):
 def test_cosine_with_warmup_warms_then_falls_to_lrf():
     args = parse("--epochs", "10", "--lr-warmup-epochs", "2", "--lr-warmup-method", "linear",
                  "--lrf", "0.1", "--lr-warmup-decay", "0.1")
-    scheduler = lr_schedule(make_optimizer(nn.Linear(2, 2), args, 16), args)
+    scheduler = lr_schedule(make_optimizer(nn.Linear(2, 2), **optimizer_kwargs(args, 16)),
+                            **schedule_kwargs(args))
     factors = [scheduler.lr_lambdas[0](e) for e in range(11)]
     assert factors[:3] == pytest.approx([0.1, 0.55, 1.0])
     assert factors[10] == pytest.approx(0.1) and factors[2:] == sorted(factors[2:], reverse=True)
@@ -185,9 +196,13 @@ def test_flags_that_follow_from_others():
     assert (mobilenet.lr_scheduler, mobilenet.scale_lr) == ("steplr", False)
     assert parse("--lr-scheduler", "steplr", "--scale-lr").scale_lr
     assert parse("--lr-warmup-epochs", "1").scale_lr  # warmup alone: the template's own lr
-    assert resolve_recipe(get_args_parser().parse_args([])) == {}
-    assert resolve_recipe(get_args_parser().parse_args(["--opt", "adamw"])) == {
+    unset = dict.fromkeys(("opt", "lr_scheduler", "lr_step_size", "lr_gamma", "scale_lr"))
+    assert resolve_recipe(**unset) == ({"opt": "sgd", "lr_scheduler": "cosine", "lr_step_size": 30,
+                                        "lr_gamma": 0.1, "scale_lr": True}, {})
+    assert resolve_recipe(**{**unset, "opt": "adamw"})[1] == {
         "val_resize_size": 256, "val_crop_size": 224}  # torchvision's, with its flags
+    assert check_args(get_args_parser().parse_args(["--lr-gamma", "0.5"]), 1)[1][
+        "val_crop_size"] == 224  # what main's run takes, unless given or continued
     assert parse("--lr-scheduler", "exponentiallr", "--lr-gamma", "0").lr_gamma == 0
     with pytest.raises(ConfigError, match="--lr-warmup-epochs 5 leaves no epoch of the 5"):
         parse("--epochs", "5", "--lr-warmup-epochs", "5")
@@ -201,32 +216,32 @@ def test_flags_that_follow_from_others():
 
 def test_a_continued_run_refuses_another_optimizer_order_or_decay_groups():
     saved = vars(parse("--norm-weight-decay", "0"))
-    refused, applied = changed_flags(saved, parse(
+    refused, applied = flag_changes(saved, vparse(
         "--opt", "adamw", "--ra-sampler", "--ra-reps", "4", "--mixup-alpha", "0.2"))
     assert refused == ["no --norm-weight-decay (the run had 0.0)",
                        "--opt adamw (the run had sgd)", "--ra-reps 4 (the run had 3)",
                        "--ra-sampler (the run had --no-ra-sampler)"]
     assert applied == ["--mixup-alpha 0.2 (the run had 0.0)",  # and, as --opt asks:
                        "--no-scale-lr (the run had --scale-lr)"]  # torchvision's lr
-    assert changed_flags(saved, parse("--norm-weight-decay", "0.01")) == (
+    assert flag_changes(saved, vparse("--norm-weight-decay", "0.01")) == (
         [], ["--norm-weight-decay 0.01 (the run had 0.0)"])
     # A run saved before these flags existed trained with SGD and no groups.
     before = {k: v for k, v in saved.items() if k not in BEFORE_RECIPES}
-    assert changed_flags(before, parse("--opt", "adamw", "--scale-lr"))[0] == [
+    assert flag_changes(before, vparse("--opt", "adamw", "--scale-lr"))[0] == [
         "--opt adamw (the run had sgd)"]
-    assert changed_flags(before, parse("--norm-weight-decay", "0"))[0] == [
+    assert flag_changes(before, vparse("--norm-weight-decay", "0"))[0] == [
         "--norm-weight-decay 0.0 (the run had no --norm-weight-decay)"]
-    assert changed_flags(before, parse("--mixup-alpha", "0.2")) == (
+    assert flag_changes(before, vparse("--mixup-alpha", "0.2")) == (
         [], ["--mixup-alpha 0.2 (the run had 0.0)"])
-    assert changed_flags(before, parse()) == ([], [])  # its own command: nothing changed
+    assert flag_changes(before, vparse()) == ([], [])  # its own command: nothing changed
 
 
 def test_a_flag_that_changes_nothing_is_applied_not_refused():
     """--ra-reps while neither run uses --ra-sampler; a weight decay for a group the model has no
     trainable parameter for (the launcher passes ``inert_flags`` of its model)."""
     saved = vars(parse())
-    assert changed_flags(saved, parse("--ra-reps", "4")) == ([], ["--ra-reps 4 (the run had 3)"])
-    assert changed_flags({**saved, "ra_sampler": True}, parse("--ra-reps", "4"))[0] == [
+    assert flag_changes(saved, vparse("--ra-reps", "4")) == ([], ["--ra-reps 4 (the run had 3)"])
+    assert flag_changes({**saved, "ra_sampler": True}, vparse("--ra-reps", "4"))[0] == [
         "--ra-reps 4 (the run had 3)", "--no-ra-sampler (the run had --ra-sampler)"]
     with torch.device("meta"):
         resnet, vit, alexnet = (torchvision.models.get_model(name)
@@ -236,8 +251,8 @@ def test_a_flag_that_changes_nothing_is_applied_not_refused():
     assert inert_flags(vit) == []
     embedding = parse("--transformer-embedding-decay", "0")
     said = ["--transformer-embedding-decay 0.0 (the run had no --transformer-embedding-decay)"]
-    assert changed_flags(saved, embedding, inert=inert_flags(resnet)) == ([], said)
-    assert changed_flags(saved, embedding, inert=inert_flags(vit)) == (said, [])
+    assert flag_changes(saved, vars(embedding), inert=inert_flags(resnet)) == ([], said)
+    assert flag_changes(saved, vars(embedding), inert=inert_flags(vit)) == (said, [])
 
 
 def test_a_continued_or_evaluated_run_keeps_its_validation_sizes(tmp_path):
@@ -250,12 +265,13 @@ def test_a_continued_or_evaluated_run_keeps_its_validation_sizes(tmp_path):
     torch.save({"model": torchvision.models.resnet18(num_classes=3).state_dict(),
                 "args": recorded, "classes": ["a", "b", "c"]}, path)
     for argv in ([], ["--eval-only"], ["--opt", "sgd", "--lr-scheduler", "cosineannealinglr"]):
-        args = get_args_parser().parse_args(argv)
-        args = recorded_defaults(args, str(path), {**RUN_DEFAULTS, **resolve_recipe(args)})
-        assert {k: getattr(args, k) for k in recorded} == recorded, argv
-    args = get_args_parser().parse_args(["--opt", "sgd"])  # a new run: torchvision's sizes
-    args = recorded_defaults(args, None, {**RUN_DEFAULTS, **resolve_recipe(args)})
-    assert (args.val_resize_size, args.val_crop_size, args.interpolation) == (256, 224, "bilinear")
+        args, defaults = check_args(get_args_parser().parse_args([*argv, "--resume", str(path)]),
+                                    1)
+        assert run_flags(args, str(path), defaults, 1) == recorded, argv
+    args, defaults = check_args(get_args_parser().parse_args(["--opt", "sgd"]), 1)  # a new run
+    run = run_flags(args, None, {**defaults, "model": "resnet18", "img_size": 32}, 1)
+    assert (run["val_resize_size"], run["val_crop_size"], run["interpolation"]) == (
+        256, 224, "bilinear")  # torchvision's sizes
     preprocess = load_predictor(path)[2]
     assert (preprocess.transforms[0].size, preprocess.transforms[1].size) == ([40], (36, 36))
     assert preprocess.transforms[0].interpolation == v2.InterpolationMode.BICUBIC
@@ -277,7 +293,7 @@ def test_label_smoothing_is_cross_entropys_in_the_training_loss():
 # ---------------------------------------------------------------- mixup, cutmix, EMA, RA
 def test_batch_mix_is_torchvisions_mixup_or_cutmix_drawn_from_seed_epoch_batch():
     args = parse("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--seed", "3")
-    mix = BatchMix.create(args, num_classes=5)
+    mix = BatchMix.create(5, args.mixup_alpha, args.cutmix_alpha, seed=args.seed)  # as main
     images, labels = torch.rand(8, 3, 16, 16), torch.arange(8) % 5
     theirs = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=5),
                               v2.CutMix(alpha=1.0, num_classes=5)])
@@ -301,14 +317,14 @@ def test_batch_mix_is_torchvisions_mixup_or_cutmix_drawn_from_seed_epoch_batch()
     loss = train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1),
                            [(images, unreadable)], torch.device("cpu"), 0, mix=mix)
     assert math.isfinite(loss)
-    assert BatchMix.create(parse(), 5) is None
+    assert BatchMix.create(5, 0.0, 0.0, seed=3) is None
 
 
 def test_model_ema_follows_torchvisions_decay_and_update_rule():
     args = parse("--model-ema", "--model-ema-steps", "4", "--epochs", "10",
                  "--lr-warmup-epochs", "1", "--model-ema-decay", "0.999")
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    ema = ModelEma.create(model, args, images_per_step=50, device=torch.device("cpu"))
+    ema = ModelEma.create(model, **ema_kwargs(args, images_per_step=50))
     decay = 1 - min(1.0, (1 - 0.999) * 50 * 4 / 10)  # torchvision's adjustment: 0.98
     assert ema.every == 4 and decay == pytest.approx(0.98)
     theirs, n_averaged = [], 0
@@ -327,19 +343,21 @@ def test_model_ema_follows_torchvisions_decay_and_update_rule():
     ours = list(itertools.chain(ema.module.parameters(), ema.module.buffers()))
     for a, b in zip(ours, theirs):
         assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
-    assert ModelEma.create(model, parse(), 50, torch.device("cpu")) is None
+    assert ModelEma.create(model, **ema_kwargs(parse(), 50)) is None
 
 
-def test_model_ema_turned_on_for_a_continued_run_starts_from_its_weights():
+def test_model_ema_turned_on_for_a_continued_run_starts_from_its_weights(tmp_path):
     torch.manual_seed(0)
     model, args = nn.Linear(4, 3), parse("--model-ema", "--epochs", "2")
-    optimizer = make_optimizer(model, args, 16)
+    optimizer = make_optimizer(model, **optimizer_kwargs(args, 16))
     weights, optimizer_state = whole_state(model, optimizer)
     ckpt = {"model": {k: v + 1 for k, v in weights.items()}, "optimizer": optimizer_state,
             "epoch": 0}  # saved without --model-ema
-    ema = ModelEma.create(model, args, 16, torch.device("cpu"))
-    restore(ckpt, model, optimizer, lr_schedule(optimizer, args),
-            torch.amp.GradScaler("cpu", enabled=False), 16, ema=ema)
+    torch.save(ckpt, tmp_path / "checkpoint.pth")
+    ema = ModelEma.create(model, **ema_kwargs(args, 16))
+    Checkpointer(tmp_path, {"model": ModelState(model), "model_ema": ema,
+                            "optimizer": OptimizerState(model, optimizer)}).load(
+        str(tmp_path / "checkpoint.pth"))
     assert_same_tensors(ema.module.state_dict(), model.state_dict())
     assert torch.equal(model.weight, ckpt["model"]["weight"]) and int(ema.n_averaged) == 0
 
