@@ -19,8 +19,8 @@ import torch
 from conftest import (LAUNCH, ROOT, TINY_FLAGS, assert_user_error, clone_run, flags, load_ckpt,
                       ranks, read_metrics)
 from multi_train_utils.guard import ConfigError
-from train_multi_gpu_using_launch import (NOT_COMPARED, check_args, flag_changes, get_args_parser,
-                                          run_flags)
+from train_flags import (NOT_COMPARED, check_args, flag_changes, get_args_parser,
+                         run_flags)
 
 CONTRACT = ROOT / "docs" / "resume-and-restarts.md"
 

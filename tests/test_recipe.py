@@ -29,9 +29,8 @@ from multi_train_utils.recipe import (BatchMix, ModelEma, inert_flags, lr_schedu
 from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
 from predict import load_predictor
 from test_bad_data import make_class
-from train_multi_gpu_using_launch import (BEFORE_RECIPES, check_args, ema_kwargs, flag_changes,
-                                          get_args_parser, optimizer_kwargs, run_flags,
-                                          schedule_kwargs)
+from train_flags import (BEFORE_RECIPES, check_args, ema_kwargs, flag_changes,
+                         get_args_parser, optimizer_kwargs, run_flags, schedule_kwargs)
 from augment import get_transforms
 from image_folder import DataError, imagenet_layout
 

@@ -1,0 +1,308 @@
+"""The training script's flags in one place: the parser (each flag, and what a continued run
+does with it), the checks of flags that contradict each other, the flags a continued run takes
+from its checkpoint, and the mapping of flags to the keyword arguments the library takes."""
+
+import argparse
+import logging
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from augment import AUTO_AUGMENT
+from demo_data import default_demo_root
+from flags import BoolFlag, HelpFormatter, number, path_flag
+from image_folder import imagenet_layout
+from model import check_model, weights_size
+from multi_train_utils.checkpoint import compare_flags
+from multi_train_utils.checkpoint_io import CheckpointError, load_file
+from multi_train_utils.distributed_utils import COMM_HOOKS, DistInfo, get_rank, get_world_size
+from multi_train_utils.guard import ConfigError
+from multi_train_utils.recipe import OPTIMIZERS, SCHEDULES, resolve_recipe
+from multi_train_utils.run_folder import resume_path
+from multi_train_utils.strategy import STRATEGIES, check_strategy
+
+log = logging.getLogger("train")
+
+
+def run_args(args: argparse.Namespace, info: DistInfo, images_per_step: int) -> dict:
+    """The flags as recorded in args.json and every checkpoint (a resume compares them)."""
+    return {**vars(args), "world_size": info.world_size, "images_per_step": images_per_step}
+
+
+def augment_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags :func:`augment.get_transforms` takes, by the same names."""
+    return {k: getattr(args, k) for k in ("auto_augment", "ra_magnitude", "augmix_severity",
+                                          "random_erase", "interpolation", "val_resize_size",
+                                          "val_crop_size")}
+
+
+def check_args(args: argparse.Namespace, world_size: int
+               ) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Flags that contradict each other: one sentence each, before anything is read. Returns
+    ``args`` with the flags that follow from others filled in (logged): torchvision's recipe,
+    its data layout; and the defaults for flags a continued run takes from its checkpoint."""
+    args = argparse.Namespace(**vars(args))  # main(args) twice: the same run
+    args.data_path, args.val_path = imagenet_layout(  # D holding train/ and val/: D/train, D/val
+        args.data_path, args.val_path, eval_only=args.eval_only)
+    flags, val_sizes = resolve_recipe(  # torchvision's flags keep its meanings and defaults
+        opt=args.opt, lr_scheduler=args.lr_scheduler, lr_step_size=args.lr_step_size,
+        lr_gamma=args.lr_gamma, scale_lr=args.scale_lr)
+    vars(args).update(flags)  # recorded: a continued run compares them with its own
+    defaults = {**RUN_DEFAULTS, **val_sizes}  # given sizes, or the continued run's, come first
+    if args.lr_warmup_epochs >= args.epochs:
+        raise ConfigError(f"--lr-warmup-epochs {args.lr_warmup_epochs} leaves no epoch of the "
+                          f"{args.epochs} for the schedule; lower it or raise --epochs.")
+    if args.model:  # a ViT's weights by name: the size they were trained at
+        defaults["img_size"] = weights_size(args.model, args.weights) or defaults["img_size"]
+    out, data = Path(args.output_dir).resolve(), Path(args.data_path or default_demo_root())
+    if not args.eval_only and out.is_relative_to(data.resolve()):
+        raise ConfigError(f"--output-dir {args.output_dir} is inside the data folder {data}, "
+                          "where its files would be read as images; choose another folder.")
+    if args.val_rate >= 1 and not (args.eval_only or args.val_path):
+        raise ConfigError("--val-rate 1 leaves no image to train on (it is for --eval-only).")
+    has_model = args.weights or resume_path(args.resume, out)
+    if args.eval_only and not has_model:
+        raise ConfigError("--eval-only needs a model: give --resume CHECKPOINT or --weights FILE.")
+    if args.freeze_layers and not has_model:
+        raise ConfigError("--freeze-layers trains only the classifier on the features of "
+                          "--weights, but no --weights was given; add it or drop the flag.")
+    if args.world_size is not None and args.world_size != world_size:
+        raise ConfigError(f"--world-size {args.world_size}, but the launcher started "
+                          f"{world_size} process(es) (torchrun --nproc_per_node, srun -n).")
+    check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook,
+                   model_ema=args.model_ema)
+    return args, defaults
+
+
+def optimizer_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
+    """The flags as :func:`make_optimizer`'s arguments. The template's --lr is one process's and
+    grows with the images per step (linear scaling, Goyal et al. 2017, arXiv:1706.02677: N
+    processes average N times as many images); torchvision's (--no-scale-lr) is the total."""
+    lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
+    return dict(opt=args.opt, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                norm_weight_decay=args.norm_weight_decay, bias_weight_decay=args.bias_weight_decay,
+                transformer_embedding_decay=args.transformer_embedding_decay)
+
+
+def schedule_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as :func:`lr_schedule`'s arguments."""
+    return dict(epochs=args.epochs, lr_scheduler=args.lr_scheduler, lrf=args.lrf,
+                lr_min=args.lr_min, lr_step_size=args.lr_step_size, lr_gamma=args.lr_gamma,
+                warmup_epochs=args.lr_warmup_epochs, warmup_method=args.lr_warmup_method,
+                warmup_decay=args.lr_warmup_decay)
+
+
+def ema_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
+    """The flags as :class:`ModelEma`'s arguments: --model-ema-decay adjusted, as torchvision's,
+    to the images per update and the epochs (the average spans the same share of training)."""
+    adjust = images_per_step * args.model_ema_steps / args.epochs
+    decay = 1.0 - min(1.0, (1.0 - args.model_ema_decay) * adjust)
+    return dict(enabled=args.model_ema, decay=decay, every=args.model_ema_steps,
+                warmup_epochs=args.lr_warmup_epochs)
+
+
+def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
+              world_size: int | None = None) -> dict[str, Any]:
+    """The values of ``defaults``' flags for this run: given, else those of the run that made
+    ``path`` (a checkpoint, or weights it saved), else ``defaults``; and its model checked at
+    those crops and at the batch its BatchNorm sees (SyncBatchNorm's: every process's). ``main``
+    asks rank 0 before an earlier run's files move aside, so a refused flag leaves them there.
+    ``--eval-only`` refuses a given flag the file contradicts (a model scored at another size is
+    misjudged)."""
+    try:
+        saved = load_file(path).get("args", {}) if path else {}
+    except (CheckpointError, AttributeError):  # not there or not ours: said where it is used
+        saved = {}
+    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
+    if args.eval_only and (differ := [f"--{k.replace('_', '-')} {v} (it has {saved[k]})"
+                                      for k, v in given.items() if saved.get(k, v) != v]):
+        raise CheckpointError(f"{path} was trained with other flags than {', '.join(differ)}; "
+                              "drop them: --eval-only takes them from the file.")
+    run = {**defaults, **{k: saved[k] for k in defaults if k in saved}, **given}
+    frozen = args.eval_only or args.freeze_layers  # BatchNorm in eval mode
+    batch = args.batch_size * ((world_size or get_world_size()) if args.sync_bn else 1)
+    check_model(run["model"], run["img_size"], args.weights,
+                crops={"--val-crop-size": run["val_crop_size"] or run["img_size"]},
+                train_batch=0 if frozen else batch)
+    return run
+
+
+def continued_run(state: dict[str, Any], *, path: str, classes: list[str],
+                  flags: dict[str, Any] | None = None, inert: Collection[str] = (),
+                  lr: float = 0.0) -> None:
+    """Whether the run that saved ``state`` goes on (every rank asks, before it is loaded): with
+    the same classes and, if it trains (``flags``: this run's, as recorded), the flags it may
+    not change (:func:`flag_changes`); the others changed are said, and apply from there."""
+    saved, part = state.get("args", {}), state.get("in_epoch")
+    refused, applied = flag_changes(saved, flags, inert) if flags else ([], [])
+    if state.get("classes", classes) != classes:
+        refused.append(f"the classes {classes} (the run had {state['classes']})")
+    if refused:
+        raise CheckpointError(f"{path} cannot be continued with {', '.join(refused)}; give the "
+                              "run's values to continue it, or start a new run with --resume "
+                              "none or another --output-dir.")
+    if flags and saved.get("images_per_step", flags["images_per_step"]) != (
+            steps := flags["images_per_step"]):
+        applied.append(f"{steps} images per step (the run had {saved['images_per_step']}), "
+                       f"lr {lr:.4g}")
+    if applied and get_rank() == 0:
+        start = state["epoch"] + (0 if part else 1)
+        log.warning("%s: applied from epoch %d%s", ", ".join(applied), start,
+                    f", step {part['batches']}" if part else "")
+
+
+def flag_changes(saved: dict[str, Any], flags: dict[str, Any], inert: Collection[str] = ()
+                 ) -> tuple[list[str], list[str]]:
+    """The flags a continued run gives other values than the run ``saved``: (refused, applied),
+    by :data:`REFUSED` and :data:`ONE_RUN_ONLY`. ``inert`` (``recipe.inert_flags``): flags this
+    model does not use, never refused."""
+    given, saved = {k: v for k, v in flags.items() if k not in NOT_COMPARED}, {
+        **BEFORE_RECIPES, **saved}
+    if not (saved.get("ra_sampler") or given.get("ra_sampler")):  # no repeats: --ra-reps unused
+        inert = {*inert, "ra_reps"}
+    return compare_flags(saved, given, lambda key: key not in inert and (
+        key in REFUSED or key in ONE_RUN_ONLY and None in (given[key], saved[key])))
+
+
+# A continued run compares each flag with the run's (docs/resume-and-restarts.md). Refused:
+# another value would put validation images into training (the split), or the saved state would
+# not fit (the parameters, their training: the optimizer state's kind, the stopped epoch's order).
+REFUSED = ("model", "freeze_layers", "seed", "val_rate", "weights", "opt", "ra_sampler", "ra_reps")
+# Refused when given to one run only: --val-path moves images between training and validation;
+# a weight decay of its own changes the optimizer's groups.
+ONE_RUN_ONLY = ("val_path", "norm_weight_decay", "bias_weight_decay",
+                "transformer_embedding_decay")
+BEFORE_RECIPES = {  # what runs saved before torchvision's recipe flags trained with
+    "opt": "sgd", "lr_scheduler": "cosine", "lr_warmup_epochs": 0, "label_smoothing": 0.0,
+    "mixup_alpha": 0.0, "cutmix_alpha": 0.0, "auto_augment": None, "random_erase": 0.0,
+    "model_ema": False, "ra_sampler": False, "ra_reps": 3, "norm_weight_decay": None,
+    "bias_weight_decay": None, "transformer_embedding_decay": None}
+NOT_COMPARED = ("output_dir", "resume", "local_rank", "eval_only", "world_size", "images_per_step")
+# Not given, these are the run's (run_flags); a new run's defaults:
+RUN_DEFAULTS = {"model": "resnet34", "img_size": 224, "val_resize_size": None,
+                "val_crop_size": None, "interpolation": "bilinear"}
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help,
+                                     formatter_class=HelpFormatter)
+    count, positive, nonnegative = number(int, 1), number(float, 0, above=True), number(float, 0)
+    fraction, seed = number(float, 0, 1), number(int, 0, 2**32 - 1)  # numpy's seed range
+    group = parser.add_argument_group("data")
+    group.add_argument("--data-path", "--data_path", type=path_flag,
+                       help="a folder with a sub-folder of images per class (default: demo data)")
+    group.add_argument("--demo-dir", type=path_flag, help="where the demo data is generated")
+    group.add_argument("--val-rate", type=fraction, default=0.2, help="held out per class")
+    group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
+    group.add_argument("--img-size", "--train-crop-size", dest="img_size", type=count,
+                       help="training crop (default: the run's, or 224)")
+    group.add_argument("--val-resize-size", type=count,
+                       help="(default: img-size x 256/224; torchvision's flags: 256)")
+    group.add_argument("--val-crop-size", type=count,
+                       help="(default: --img-size; torchvision's flags: 224)")
+    group.add_argument("--num-classes", "--num_classes", type=count,
+                       help="checked: must equal the number of class folders")
+    group.add_argument("--workers", "-j", type=number(int, 0),
+                       help="per process (GPU: CPUs-1, CPU: <=8)")
+    group.add_argument("--decode", default="auto", choices=["auto", "workers", "device"],
+                       help="JPEGs decoded by the loader workers or on --device (auto: workers)")
+    group.add_argument("--verify-images", action=BoolFlag, default=False,
+                       help="read every image's header before training (else the loader skips)")
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", help="any torchvision model (default: the run's, or resnet34)")
+    group.add_argument("--weights", type=path_flag,
+                       help="a file, or torchvision's ResNet50_Weights.DEFAULT (what fits loads)")
+    group.add_argument("--freeze-layers", "--freeze_layers", action=BoolFlag, default=False,
+                       help="train only the classifier (fc, classifier, heads, ...)")
+    group.add_argument("--sync-bn", "--syncBN", dest="sync_bn", action=BoolFlag, default=True,
+                       help="BatchNorm statistics over the global batch")
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--epochs", type=count, default=30, help="in all, resumed ones included")
+    group.add_argument("--batch-size", "--batch_size", "-b", type=count, default=16,
+                       help="per process")
+    group.add_argument("--lr", type=positive, default=0.001,
+                       help="for one process's batch (torchvision's flags: the whole batch's)")
+    group.add_argument("--scale-lr", action=BoolFlag, help="lr x world size x --grad-accum-steps "
+                       "(default: on; off with --opt, --lr-scheduler, --lr-step-size, --lr-gamma)")
+    group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
+    group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD/RMSprop momentum")
+    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005,
+                       help="L2 penalty of every parameter trained (groups: --norm-weight-decay)")
+    group.add_argument("--grad-accum-steps", type=count, default=1, help="step every K batches")
+    group.add_argument("--clip-grad-norm", type=positive, help="max gradient norm")
+    recipe_flags(parser.add_argument_group("torchvision's recipe (docs/recipes.md)"))
+    group = parser.add_argument_group("speed")
+    group.add_argument("--amp", action=BoolFlag, help="mixed precision (default: on for CUDA)")
+    group.add_argument("--channels-last", action=BoolFlag, help="NHWC (default: on for CUDA)")
+    group.add_argument("--compile", action=BoolFlag, default=False, help="torch.compile")
+    group.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="DDP bucket size")
+    group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
+                       help="all-reduce gradients in 16 bits (half the bytes, rounded)")
+    group.add_argument("--find-unused-parameters", action=BoolFlag, default=False,
+                       help="ddp: a model whose forward skips some parameters (fsdp needs none)")
+    group = parser.add_argument_group("distributed")
+    group.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="fsdp: each holds 1/N")
+    group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
+    group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
+    group.add_argument("--dist-timeout", type=positive, help="seconds a collective waits for a "
+                       "peer (default: 600 at start-up, evaluation and saves; 120 a step)")
+    group.add_argument("--world-size", "--world_size", type=count,
+                       help="processes (spawn launcher; elsewhere the launcher decides)")
+    group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    group = parser.add_argument_group("run")
+    group.add_argument("--output-dir", type=path_flag, default="runs/train", help="the run's files")
+    group.add_argument("--resume", type=path_flag, default="auto",
+                       help="auto: <output-dir>/checkpoint.pth if there; none; or a checkpoint")
+    group.add_argument("--keep-last", type=number(int, 0), default=0,
+                       help="keep the newest K weights/model-N.pth (0: all)")
+    group.add_argument("--save-every-steps", type=number(int, 0), default=0,
+                       help="also save mid-epoch every K optimizer steps (0: at signals only)")
+    group.add_argument("--eval-only", "--test-only", dest="eval_only", action=BoolFlag,
+                       default=False, help="evaluate the --resume/--weights model and exit")
+    group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")
+    group.add_argument("--print-freq", type=count, default=50, help="log every N steps")
+    group.add_argument("--tensorboard", action=BoolFlag, default=True, help="rank 0 logs curves")
+    return parser
+
+
+def recipe_flags(group: argparse._ArgumentGroup) -> None:
+    """torchvision's training-recipe flags, with its names and defaults (all off here)."""
+    nonnegative, fraction = number(float, 0), number(float, 0, 1)
+    group.add_argument("--opt", choices=OPTIMIZERS, help="(default: sgd); given, it and the "
+                       "three below mean what they do in torchvision: --lr the total, val 224")
+    group.add_argument("--lr-scheduler", choices=SCHEDULES, help="(default: cosine, or steplr "
+                       "with --lr-step-size or --lr-gamma); stepped once per epoch")
+    group.add_argument("--lr-step-size", type=number(int, 1), help="steplr (default: 30)")
+    group.add_argument("--lr-gamma", type=nonnegative, help="steplr/exponentiallr (default: 0.1)")
+    group.add_argument("--lr-min", type=nonnegative, default=0.0, help="cosineannealinglr")
+    group.add_argument("--lr-warmup-epochs", type=number(int, 0), default=0, help="epochs")
+    group.add_argument("--lr-warmup-method", choices=["linear", "constant"], default="constant",
+                       help="from lr x decay, or at it")
+    group.add_argument("--lr-warmup-decay", type=number(float, 0, 1, above=True), default=0.01,
+                       help="first lr factor")
+    group.add_argument("--label-smoothing", type=fraction, default=0.0, help="training loss")
+    for name in ("mixup", "cutmix"):
+        group.add_argument(f"--{name}-alpha", type=nonnegative, default=0.0,
+                           help=f"{name} on each batch, lam ~ Beta(alpha, alpha)")
+    group.add_argument("--auto-augment", choices=AUTO_AUGMENT, help="policy (default: none)")
+    group.add_argument("--ra-magnitude", type=number(int, 0), default=9, help="--auto-augment ra")
+    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3,
+                       help="--auto-augment augmix")
+    group.add_argument("--random-erase", type=fraction, default=0.0, help="probability")
+    group.add_argument("--interpolation", choices=["nearest", "bilinear", "bicubic"],
+                       help="(default: the run's, or bilinear)")
+    group.add_argument("--model-ema", action=BoolFlag, default=False, help="evaluate and save "
+                       "an exponential moving average of the weights too")
+    group.add_argument("--model-ema-steps", type=number(int, 1), default=32,
+                       help="optimizer steps between updates")
+    group.add_argument("--model-ema-decay", type=fraction, default=0.99998,
+                       help="adjusted to the images per update and the epochs, as torchvision")
+    for name in ("norm", "bias"):
+        group.add_argument(f"--{name}-weight-decay", type=nonnegative,
+                           help=f"for {name} parameters (default: --weight-decay)")
+    group.add_argument("--transformer-embedding-decay", type=nonnegative,
+                       help="for class token and position embeddings (default: --weight-decay)")
+    group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated "
+                       "augmentation: each image --ra-reps times in a row, in other crops")
+    group.add_argument("--ra-reps", type=number(int, 1), default=3, help="--ra-sampler")
