@@ -1,5 +1,4 @@
-"""The transforms: torchvision's ImageNet recipe, in the loader workers or (``--decode
-device``) on the accelerator."""
+"""The transforms: torchvision's ImageNet recipe, in the loader workers or on the device."""
 
 from __future__ import annotations
 
@@ -18,13 +17,9 @@ def get_transforms(img_size: int, decode: str = "workers", *, auto_augment: str 
                    ra_magnitude: int = 9, augmix_severity: int = 3, random_erase: float = 0.0,
                    interpolation: str = "bilinear", val_resize_size: int | None = None,
                    val_crop_size: int | None = None) -> dict[str, Any]:
-    """ImageNet-style augmentation, ``uint8 (3, H, W)`` -> ``uint8 (3, img_size, img_size)``,
-    validation as torchvision's (centre crop ``val_crop_size``, default ``img_size``, of a
-    resize to ``val_resize_size``, default the crop x 256/224); normalisation happens on the
-    device, so the workers send a quarter of the bytes. ``--decode device`` decodes and
-    augments there too.
-    torchvision's recipe adds a policy (``--auto-augment``) and ``--random-erase``, whose fill is
-    the mean colour (its 0 after normalisation); ``MyDataSet`` seeds each from (seed, epoch, i)."""
+    """``{"train": ..., "val": ...}``, ``uint8 (3, H, W) -> uint8 (3, S, S)`` as torchvision's
+    recipe (S: ``img_size``; ``val_crop_size`` of a resize to ``val_resize_size``, by default
+    x 256/224). Normalising is left to the device: the workers send a quarter of the bytes."""
     if decode == "device" and (auto_augment or random_erase or interpolation != "bilinear"):
         raise ConfigError("--auto-augment, --random-erase and --interpolation run in the loader "
                           "workers; drop them (or the run's), or use --decode workers.")
@@ -37,11 +32,10 @@ def get_transforms(img_size: int, decode: str = "workers", *, auto_augment: str 
                       "augmix": lambda: v2.AugMix(severity=augmix_severity, interpolation=warp)}
                      .get(auto_augment, lambda: v2.AutoAugment(
                          v2.AutoAugmentPolicy(auto_augment), interpolation=warp))())
-    if random_erase:
+    if random_erase:  # the fill: the mean colour, 0 after normalising
         train.append(v2.RandomErasing(random_erase, value=[round(255 * m) for m in IMAGENET_MEAN]))
-    val_resize = val_resize_size or int((val_crop_size or img_size) * 256 / 224)
-    pipelines = {"train": v2.Compose(train),
-                 "val": v2.Compose([v2.Resize(val_resize, interpolation=mode),
-                                    v2.CenterCrop(val_crop_size or img_size)])}
+    val_crop = val_crop_size or img_size
+    val = [v2.Resize(val_resize_size or int(val_crop * 256 / 224), interpolation=mode),
+           v2.CenterCrop(val_crop)]
+    pipelines = {"train": v2.Compose(train), "val": v2.Compose(val)}
     return {k: BatchAugment(t) for k, t in pipelines.items()} if decode == "device" else pipelines
-

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,11 +14,15 @@ from PIL import Image, ImageDraw, ImageFilter
 from multi_train_utils.guard import UserError
 
 DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")  # as flower_photos
+# Flowers of petals: count range, petal width (x radius), petal and centre colours, centre radius.
+PETALS = {"daisy": ((10, 15), 0.22, (240, 240, 235), (235, 190, 30), 0.25),
+          "sunflowers": ((14, 20), 0.28, (245, 200, 30), (80, 45, 20), 0.45),
+          "dandelion": ((24, 34), 0.1, (245, 200, 30), (230, 170, 20), 0.3)}
 
 
 def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
-    """A drawn "flower" of class ``cls`` (petal colour, count, shape and centre differ) with
-    jittered hue, size, position and clutter: learnable in a few CPU epochs, not trivially."""
+    """A "flower" of class ``cls`` with jittered hue, size, position and clutter: learnable in a
+    few CPU epochs, not trivially."""
     def jitter(rgb: tuple[int, int, int], amount: int = 25) -> tuple[int, ...]:
         return tuple(min(255, max(0, c + rng.randint(-amount, amount))) for c in rgb)
 
@@ -41,17 +44,14 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
         cx, cy = rng.uniform(r * 0.6, size - r * 0.6), rng.uniform(r * 0.6, size - r * 0.6)
         draw.line([(cx, cy), (cx + rng.uniform(-5, 5), size)], fill=jitter((30, 110, 30)), width=2)
         spin = rng.uniform(0, math.pi)
-        if cls in ("daisy", "sunflowers", "dandelion"):
-            petals = {"daisy": rng.randrange(10, 15), "sunflowers": rng.randrange(14, 20),
-                      "dandelion": rng.randrange(24, 34)}[cls]
-            width = {"daisy": 0.22, "sunflowers": 0.28, "dandelion": 0.1}[cls] * r
-            colour = (240, 240, 235) if cls == "daisy" else (245, 200, 30)
+        if cls in PETALS:
+            # A count is drawn for each kind, in this order: the images stay those measured.
+            petals = {kind: rng.randrange(*spec[0]) for kind, spec in PETALS.items()}[cls]
+            _, width, colour, centre, c = PETALS[cls]
             for k in range(petals):
                 angle = spin + 2 * math.pi * k / petals
                 px, py = cx + 0.55 * r * math.cos(angle), cy + 0.55 * r * math.sin(angle)
-                draw.polygon(oval(px, py, 0.48 * r, width, angle), fill=jitter(colour, 20))
-            centre, c = {"daisy": ((235, 190, 30), 0.25), "sunflowers": ((80, 45, 20), 0.45),
-                         "dandelion": ((230, 170, 20), 0.3)}[cls]
+                draw.polygon(oval(px, py, 0.48 * r, width * r, angle), fill=jitter(colour, 20))
             draw.ellipse([cx - c * r, cy - c * r, cx + c * r, cy + c * r], fill=jitter(centre, 20))
         elif cls == "roses":
             base = jitter((200, 25, 45), 30)
@@ -68,32 +68,29 @@ def _draw_demo_image(cls: str, rng: random.Random, size: int) -> Image.Image:
 
 
 def make_demo_data(root: str | os.PathLike, per_class: int = 120, size: int = 64) -> Path:
-    """Write the demo dataset ``root/<class>/NNNN.jpg`` (5 flower classes, the same every time)
-    unless it is there, and return ``root``. Processes may call it at once: each draws into a
-    temporary folder and renames it into place; the first rename wins."""
+    """``root``, holding the demo data (the same every time) unless it was there. Processes may
+    call it at once: each draws into a temporary folder and renames it; the first rename wins."""
     root = Path(root)
     if root.is_dir():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
-    try:
+    with tempfile.TemporaryDirectory(dir=root.parent, prefix=f".{root.name}.") as tmp:
         for cls in DEMO_CLASSES:
-            (tmp / cls).mkdir()
+            os.mkdir(Path(tmp, cls))
             rng = random.Random(f"0-{cls}")
             for i in range(per_class):
-                _draw_demo_image(cls, rng, size).save(tmp / cls / f"{i:04d}.jpg", quality=90)
-        os.rename(tmp, root)
-    except OSError:
-        if not root.is_dir():  # not another process's rename that won: a real error
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                _draw_demo_image(cls, rng, size).save(Path(tmp, cls, f"{i:04d}.jpg"), quality=90)
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if not root.is_dir():  # not another process's rename that won: a real error
+                raise
     return root
 
 
 def user_cache_dir(instead: str) -> Path:
-    """``$XDG_CACHE_HOME`` or ``~/.cache``; where the user has no home folder (some containers)
-    a :class:`UserError` that ends with ``instead``, the flag naming another folder."""
+    """``$XDG_CACHE_HOME`` or ``~/.cache``; without a home folder (some containers) a
+    :class:`UserError` that ends with ``instead``."""
     try:
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     except (RuntimeError, KeyError):  # KeyError: Python < 3.12 without a user database entry
@@ -102,7 +99,7 @@ def user_cache_dir(instead: str) -> Path:
 
 def default_demo_root() -> Path:
     """Where the demo data is cached: ``$DDP_DEMO_DATA`` or the user's cache folder."""
-    if os.environ.get("DDP_DEMO_DATA"):
-        return Path(os.environ["DDP_DEMO_DATA"])
+    if given := os.environ.get("DDP_DEMO_DATA"):
+        return Path(given)
     return user_cache_dir("pass --demo-dir a folder you can write, or --data-path your own "
                           "images") / "ddp-template" / "demo_flowers_v1"

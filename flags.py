@@ -1,5 +1,4 @@
-"""argparse types and actions shared by the scripts' flags: paths, numbers in a range,
-booleans the classic way, and help that shows the defaults."""
+"""argparse types and actions shared by the scripts' flags."""
 
 from __future__ import annotations
 
@@ -9,9 +8,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+
 def path_flag(text: str) -> str:
-    """argparse ``type=`` of a path flag: ``~`` expanded (the shell leaves ``--x=~/a`` and
-    quoted paths alone), an empty value refused (``--resume "$CKPT"`` with CKPT unset)."""
+    """A path flag's ``type``: ``~`` expanded (the shell leaves ``--x=~/a`` and quoted paths
+    alone), an empty value refused (``--resume "$CKPT"`` with CKPT unset)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
     return os.path.expanduser(text)
@@ -43,12 +43,12 @@ class BoolFlag(argparse.BooleanOptionalAction):
 def number(kind: type, low: float, high: float = math.inf, *,
            above: bool = False) -> Callable[[str], float]:
     """An argparse ``type`` for ``low <= x <= high`` (``above``: ``low < x``), naming the range."""
+    bounds = f"{'above' if above else 'at least'} {low}" + (
+        f" and at most {high}" if high < math.inf else "")
+
     def parse(text: str) -> float:
         value = kind(text)
-        inside = (value > low if above else value >= low) and value <= high
-        if not (math.isfinite(value) and inside):
-            bounds = f"{'above' if above else 'at least'} {low}" + (
-                f" and at most {high}" if high < math.inf else "")
+        if not (math.isfinite(value) and (low < value <= high if above else low <= value <= high)):
             raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
         return value
     parse.__name__ = kind.__name__  # argparse names it in "invalid int value"

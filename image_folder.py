@@ -1,7 +1,6 @@
-"""An image folder (``root/<class>/**/<image>``, as for ``ImageFolder`` and the tutorial's
-``flower_photos``): its scan, stored with the run and reused while nothing changed, and its split.
-Files that cannot be used are skipped and listed with a reason; a mistake in the layout is a
-:class:`DataError`, one sentence."""
+"""An image folder, ``root/<class>/**/<image>`` as for ``ImageFolder``: its scan, stored with the
+run and reused while no folder changed (docs/resume-and-restarts.md), and its split. Unusable
+files are skipped with a reason, a layout mistake is a :class:`DataError` (docs/bad-data.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +32,9 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".g
 LAYOUT = "one sub-folder of images per class (e.g. flower_photos/daisy/*.jpg)"
 SCAN_FILE = "file_list.json"  # a run's FolderScan; moved aside with the run (run_folder.RUN_FILES)
 STOPPED_SCAN_FILE = "stopped_epoch_file_list.json"  # the list a stopped epoch began with
+# Why files were skipped that may read well later though no folder's times changed (a copy
+# finished, storage mounted): a stored list reads them again.
+PASSING = ("not a readable image", "empty file", "dangling link", "permission denied")
 
 
 class DataError(UserError):
@@ -54,18 +56,19 @@ class FolderScan:
     digest: str = ""  # of the classes and images below the root: which list an epoch drew from
 
     def summary(self, examples: int = 10) -> str:
-        """A line of counts, then up to ``examples`` skipped files: one of each reason first,
-        so 30 sidecar .txt files do not hide the one corrupt image."""
+        """A line of counts, then up to ``examples`` skipped files, one of each reason first:
+        30 sidecar .txt files must not hide the one corrupt image."""
         line = f"{sum(map(len, self.images))} images in {len(self.classes)} classes in {self.root}"
         if not self.skipped:
             return line
-        counts = Counter(why.split(" (")[0] for _, why in self.skipped)
+        reasons = [why.split(" (")[0] for _, why in self.skipped]
         line += f"; skipped {len(self.skipped)} files (" + ", ".join(
-            f"{why}: {n}" for why, n in sorted(counts.items())) + ")"
-        shown = sorted({w.split(" (")[0]: (p, w) for p, w in reversed(self.skipped)}.values())
-        shown += [x for x in self.skipped if x not in shown]
-        more = f"\n  ... and {len(self.skipped) - examples} more" * (len(self.skipped) > examples)
-        return "\n".join([line] + [f"  skipped {p}: {why}" for p, why in shown[:examples]]) + more
+            f"{why}: {n}" for why, n in sorted(Counter(reasons).items())) + ")"
+        first = {why: i for i, why in reversed(list(enumerate(reasons)))}  # each reason's first
+        order = sorted(range(len(reasons)), key=lambda i: first[reasons[i]] != i)
+        shown = [f"  skipped {p}: {why}" for p, why in (self.skipped[i] for i in order[:examples])]
+        more = [f"  ... and {len(order) - examples} more"] if len(order) > examples else []
+        return "\n".join([line, *shown, *more])
 
     def resume_epoch(self, progress: EpochProgress, ckpt: dict[str, Any], out: Path,
                      train_paths: list[str]) -> None:
@@ -79,18 +82,18 @@ class FolderScan:
         def indices() -> torch.Tensor | None:
             if digest == self.digest:
                 return None
-            found = next((p for p in (kept, out / SCAN_FILE) if (old := _read_scan(p))
-                          and old.digest == digest), None)  # the first that matches: read once
-            if not found:  # deleted, or the checkpoint of another run folder
+            for path in (kept, out / SCAN_FILE):  # kept: a second stop in that epoch
+                if (old := _read_scan(path, self.root)) and old.digest == digest:
+                    break
+            else:  # deleted, or the checkpoint of another run folder
                 log.warning("%s lacks the list epoch %d began with: its rest may repeat or miss "
                             "images", out, epoch)
                 return None
-            os.replace(found, kept)  # SCAN_FILE gets the new list, the epoch keeps its own
-            old = old.rebased(self.root)
+            os.replace(path, kept)  # SCAN_FILE gets the new list, the epoch keeps its own
             listed = split_train_val(old, saved["val_rate"], saved["seed"],
                                      val_scan=old if saved.get("val_path") else None)[0]
-            where = {path: i for i, path in enumerate(train_paths)}
-            result = torch.tensor([where.get(path, -1) for path in listed], dtype=torch.int64)
+            where = {p: i for i, p in enumerate(train_paths)}
+            result = torch.tensor([where.get(p, -1) for p in listed], dtype=torch.int64)
             gone = int((result < 0).sum())
             log.info("%d images added since the stop: they join at epoch %d; %d gone (removed "
                      "or unreadable): epoch %d goes on without them", len(train_paths)
@@ -107,9 +110,8 @@ class FolderScan:
 
         def move(path: str) -> str:
             return new + path[len(old):] if path.startswith(old) else path
-        images = [[move(p) for p in paths] for paths in self.images]
-        return replace(self, root=root, images=images,
-                       skipped=[(move(p), w) for p, w in self.skipped])
+        return replace(self, root=root, images=[list(map(move, found)) for found in self.images],
+                       skipped=[(move(p), why) for p, why in self.skipped])
 
 
 def _times(folder: str) -> list[int]:
@@ -135,24 +137,23 @@ def _class_folders(root: str, times: dict[str, list[int]]
                         "user read and execute access to it.") from None
     classes, skipped = [], []
     for entry in entries:
-        path = os.path.join(root, entry.name)
         if entry.is_dir() and not entry.name.startswith("."):  # .git, .cache: no classes
             classes.append(entry.name)
-        elif entry.is_symlink() and not os.path.exists(path) and "." not in entry.name:
+        elif entry.is_symlink() and not os.path.exists(entry.path) and "." not in entry.name:
             raise DataError(f"class folder {printable_path(entry.name)} in {root} is a link to "
-                            f"{os.readlink(path)}, which does not exist (storage not mounted?); "
-                            "mount it, or remove the link to train without that class.")
+                            f"{os.readlink(entry.path)}, which does not exist (storage not "
+                            "mounted?); mount it, or remove the link to train without that class.")
         else:
-            skipped.append((path, "not in a class folder"))
+            skipped.append((entry.path, "not in a class folder"))
     return classes, skipped
 
 
 def _walk_class(folder: str, times: dict[str, list[int]], below: int
                 ) -> tuple[list[str], list[tuple[str, str]]]:
     """Image-named files below ``folder`` (sorted) and what was left out, with a reason; each
-    folder's :func:`_times` go to ``times``, keyed by the path from character ``below`` on.
-    Only the names and types ``os.scandir`` reads are asked, as by ``ImageFolder``: no stat or
-    open per file but per link. Linked sub-folders are not entered: a link up the tree loops."""
+    folder's :func:`_times` go to ``times``, keyed by the path from character ``below`` on. As
+    ``ImageFolder``, only what ``os.scandir`` reads with the names is asked: no stat per file,
+    but per link."""
     found, skipped, todo = [], [], [folder]
     while todo:
         top = todo.pop()
@@ -165,7 +166,7 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
             continue
         for entry in entries:
             hidden = entry.name.startswith(".")
-            if entry.is_dir():  # a link to a folder too
+            if entry.is_dir():  # a link to a folder too, not entered: a link up the tree loops
                 if hidden or entry.is_symlink():
                     skipped.append((entry.path, "hidden folder" if hidden
                                     else "linked folder, not followed"))
@@ -184,10 +185,9 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
 
 def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_classes: int = 2,
                       reuse: str | os.PathLike | None = None) -> FolderScan:
-    """Find ``root/<class>/**/<image>``; the classes are the sorted sub-folder names. ``verify``
-    also reads each image's header (:func:`my_dataset.check_image`), else ``MyDataSet`` lists
-    what it cannot decode when it meets it. ``reuse``: a run folder whose stored list
-    (:data:`SCAN_FILE`) is reused while no folder it lists has changed."""
+    """Find ``root/<class>/**/<image>``, the classes sorted; ``verify`` also reads each image's
+    header (:func:`my_dataset.check_image`). ``reuse``: a run folder whose stored list
+    (:data:`SCAN_FILE`) is taken while no folder it lists has changed."""
     root = os.fspath(root)
     if reuse is not None and (scan := _stored_scan(Path(reuse) / SCAN_FILE, root, verify)):
         return scan
@@ -207,13 +207,11 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
     images = [found for found, _ in walks]
     skipped += [x for _, left_out in walks for x in left_out]
     bad: dict[str, str] = {}
-    if verify:  # header reads wait on storage (PIL releases the GIL): threads help. In chunks,
-        # as map() makes all its futures at once: over a GB for ImageNet's 1.28M files.
-        paths = [p for found in images for p in found]
+    if verify:  # header reads wait on storage (PIL releases the GIL): threads help. A class at
+        # a time, as map() makes all its futures at once: over a GB for ImageNet's 1.28M files.
         with ThreadPoolExecutor(8) as pool:
-            for start in range(0, len(paths), 4096):
-                chunk = paths[start:start + 4096]
-                bad.update((p, why) for p, why in zip(chunk, pool.map(check_image, chunk)) if why)
+            for found in images:
+                bad.update((p, why) for p, why in zip(found, pool.map(check_image, found)) if why)
         images = [[p for p in found if p not in bad] for found in images]
     skipped = sorted((printable_path(p), why) for p, why in [*skipped, *bad.items()])
     for name, found in zip(classes, images):
@@ -228,23 +226,22 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
                       digest=hashlib.sha256(text.encode()).hexdigest())
 
 
-def _read_scan(path: Path) -> FolderScan | None:
-    """The scan stored at ``path`` (None if there is none), below the root it listed."""
+def _read_scan(path: Path, root: str) -> FolderScan | None:
+    """The scan stored at ``path`` (None if there is none), moved below ``root``."""
     try:
         scan = FolderScan(**json.loads(path.read_text("utf-8")))
     except (OSError, ValueError, TypeError):  # none yet, another version's file
         return None
     folders = [os.path.join(scan.root, name, "") for name in scan.classes]
     images = [[folder + p for p in found] for folder, found in zip(folders, scan.images)]
-    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped], reused=True)
+    return replace(scan, images=images, skipped=[tuple(x) for x in scan.skipped],
+                   reused=True).rebased(root)
 
 
 def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
-    """The scan stored at ``path``, below ``root``, if every folder it lists has the times it
-    had then, its headers were read where ``verify`` asks and no image it skipped reads now (a
-    file fixed in place, a copy finished); else None (list again). A file changed in place that
-    no longer decodes is replaced and listed by the loader."""
-    scan = _read_scan(path)
+    """The scan stored at ``path`` if its folders' times are as then, it read the headers where
+    ``verify`` asks and no file it skipped for a :data:`PASSING` reason reads well now."""
+    scan = _read_scan(path, root)
     try:
         if not (scan and scan.digest) or scan.verified < verify or not all(
                 then and _times(os.path.join(root, folder)) == then
@@ -252,12 +249,7 @@ def _stored_scan(path: Path, root: str, verify: bool) -> FolderScan | None:
             return None
     except OSError:  # a folder gone
         return None
-    scan, prefix = scan.rebased(root), os.path.join(root, "")
-    fixed = [path for path, _ in scan.skipped
-             if (parts := path.removeprefix(prefix).split(os.sep))[0] in scan.classes
-             and path.lower().endswith(IMG_EXTENSIONS)
-             and not any(part.startswith(".") for part in parts) and not check_image(path)]
-    if fixed:
+    if fixed := [p for p, why in scan.skipped if why.startswith(PASSING) and not check_image(p)]:
         log.info("%d skipped file(s) read well now (%s): %s is listed again", len(fixed),
                  fixed[0], root)
         return None
@@ -269,9 +261,9 @@ def split_train_val(scan: FolderScan, val_rate: float, seed: int,
                     val_scan: FolderScan | None = None
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
     """``(train_paths, train_labels, val_paths, val_labels)``: a file validates when the hash of
-    ``(seed, its path below the root)`` is below ``val_rate`` (as TensorFlow's ``which_set``), so
-    adding files or moving the root moves no other file across. A class of two or more keeps one
-    on each side; with ``val_scan`` (``--val-path``) all of ``scan`` trains."""
+    ``(seed, its path below the root)`` is below ``val_rate`` (TensorFlow's ``which_set``), so no
+    file changes side as others come and go. A class of two or more keeps one on each side; with
+    ``val_scan`` (``--val-path``) all of ``scan`` trains."""
     if val_scan is not None:
         return (*label_by_class_name(scan.classes, scan),  # all of it, unhashed
                 *label_by_class_name(scan.classes, val_scan))
@@ -312,26 +304,23 @@ def label_by_class_name(classes: Sequence[str], val_scan: FolderScan
 
 def read_split_data(root: str, val_rate: float = 0.2, plot_image: bool = False
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
-    """The classic tutorial's entry point: scan ``root``, split it (seed 0), write
-    ``class_indices.json`` (``{"0": "daisy", ...}``) and, with ``plot_image``,
-    ``class_distribution.png`` into the current folder. Returns ``(train_images_path,
-    train_images_label, val_images_path, val_images_label)``."""
+    """The classic tutorial's entry point: :func:`split_train_val` of ``root`` (seed 0), with
+    ``class_indices.json`` and (``plot_image``) ``class_distribution.png`` written here."""
     scan = scan_image_folder(root)
     # A warning when files were skipped: shown even by a script that set up no logging.
     log.log(logging.WARNING if scan.skipped else logging.INFO, scan.summary())
-    train_p, train_y, val_p, val_y = split_train_val(scan, val_rate, seed=0)
+    split = split_train_val(scan, val_rate, seed=0)
     write_json_atomic("class_indices.json", dict(enumerate(scan.classes)))
     if plot_image:
         plot_class_distribution(scan.classes, list(map(len, scan.images)),
                                 "class_distribution.png")
-    log.info("%d images for training, %d for validation", len(train_p), len(val_p))
-    return train_p, train_y, val_p, val_y
+    log.info("%d images for training, %d for validation", len(split[0]), len(split[2]))
+    return split
 
 
 def write_scan_files(out: Path, scan: FolderScan) -> None:
-    """What a scan found, kept with the run: class_indices.json, skipped_files.txt, a class
-    histogram and, last, :data:`SCAN_FILE` for a continued run. A reused scan writes nothing:
-    its files are there, skipped_files.txt with what the loader has added since."""
+    """Keeps with the run class_indices.json, skipped_files.txt, a class histogram and, last,
+    :data:`SCAN_FILE`; a reused scan's are there, skipped_files.txt with what the loader added."""
     if scan.reused:
         return
     write_json_atomic(out / "class_indices.json", dict(enumerate(scan.classes)))
@@ -349,12 +338,10 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
 
 def imagenet_layout(data_path: str | None, val_path: str | None, *, eval_only: bool = False
                     ) -> tuple[str | None, str | None]:
-    """``(data_path, val_path)``; a ``data_path`` D in torchvision's (ImageNet's) layout,
-    ``D/train/<class>/`` and ``D/val/<class>/``, becomes ``(D/train, D/val)`` (``eval_only``:
-    ``(None, D/val)``, so the training images are not listed), said so. Refused: no ``val/``
-    beside such a ``train/`` (``valid/``, ``test/``: D's own folders would be taken as
-    classes), a ``val/`` with images outside class folders (ILSVRC2012's ships flat), or with
-    other classes than ``train/`` (a copy or sort left half done)."""
+    """``(data_path, val_path)``, but a ``data_path`` D in torchvision's layout, ``D/train/<class>``
+    and ``D/val/<class>``, becomes ``(D/train, D/val)`` (``eval_only``: ``(None, D/val)``).
+    Refused: no ``val/`` beside such a ``train/``, a ``val/`` with images outside class folders
+    (ILSVRC2012's ships flat) or with other classes."""
     root = Path(data_path or "")
     train, val = root / "train", root / "val"
     if not data_path or val_path or not train.is_dir():

@@ -1,5 +1,5 @@
-"""What a run records and shows: its ``metrics.jsonl`` lines, TensorBoard, JSON files written
-whole, and figures (saved as files; pyplot only to show one)."""
+"""What a run records and shows: ``metrics.jsonl`` lines, TensorBoard, JSON files written whole,
+figures (saved as files; pyplot only to show one)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = Fals
 
 
 def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.Dataset) -> Any:
-    """Rank 0's ``SummaryWriter`` in ``out/tensorboard`` (None on the other ranks), with 16
-    training images; a resumed run drops what a lost epoch logged, then continues."""
+    """Rank 0's ``SummaryWriter`` in ``out/tensorboard`` (None elsewhere), with 16 training
+    images; a resumed run drops what a lost epoch logged."""
     if not is_main_process():
         return None
     from torch.utils.tensorboard import SummaryWriter  # an optional extra: imported when used
@@ -51,16 +51,16 @@ def tensorboard_writer(out: Path, start_epoch: int, train_set: torch.utils.data.
 
 def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds: float,
                  images_per_sec: float, ema: Any = None) -> dict[str, Any]:
-    """An epoch's line of ``metrics.jsonl`` (``result``: its ``evaluate()``; ``ema``: the
-    weights' average's, as ``ema_val_acc``, ...), logged."""
-    def scores(prefix: str, res: Any) -> dict[str, float | None]:
-        return {f"{prefix}val_acc": round(res.top1, 6), f"{prefix}val_loss": round(res.loss, 6),
-                f"{prefix}val_top5": None if res.top5 is None else round(res.top5, 6)}
-
-    record = {"epoch": epoch, "train_loss": round(train_loss, 6), **scores("", result),
-              **(scores("ema_", ema) if ema is not None else {})}
-    record.update(lr=lr, epoch_seconds=round(seconds, 3),
-                  train_images_per_sec=round(images_per_sec, 2))
+    """An epoch's line of ``metrics.jsonl``, logged: ``result`` is its ``evaluate()``, ``ema``
+    the averaged weights' (as ``ema_val_acc``, ...)."""
+    record = {"epoch": epoch, "train_loss": round(train_loss, 6)}
+    for prefix, res in (("", result), ("ema_", ema)):
+        if res is not None:
+            top5 = None if res.top5 is None else round(res.top5, 6)
+            record |= {f"{prefix}val_acc": round(res.top1, 6),
+                       f"{prefix}val_loss": round(res.loss, 6), f"{prefix}val_top5": top5}
+    record |= dict(lr=lr, epoch_seconds=round(seconds, 3),
+                   train_images_per_sec=round(images_per_sec, 2))
     log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
              "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record)
              + ("  EMA: val acc {ema_val_acc:.4f}  val loss {ema_val_loss:.4f}".format(**record)
@@ -77,8 +77,8 @@ def log_epoch(writer: Any, record: dict[str, Any]) -> None:
 
 
 def tick_label(name: str, width: int = 24) -> str:
-    """``name`` cut in the middle to ``width`` characters for an axis: a 200-character class
-    name took the whole figure. Both ends stay, so "..._male" and "..._female" differ."""
+    """``name`` cut in the middle to ``width`` characters for an axis, both ends kept so
+    "..._male" and "..._female" differ."""
     name = printable_path(name)  # bytes that are not UTF-8 as \xNN: fonts refuse surrogates
     if len(name) <= width:
         return name
@@ -88,8 +88,7 @@ def tick_label(name: str, width: int = 24) -> str:
 
 def plot_class_distribution(classes: Sequence[str], counts: Sequence[int],
                             path: str | os.PathLike) -> Path:
-    """Bar chart of ``counts[i]`` images of ``classes[i]``, saved as PNG; names and counts
-    while they fit."""
+    """Bar chart of ``counts[i]`` images of ``classes[i]``, saved as PNG."""
     from matplotlib.figure import Figure  # an optional extra, imported for a plot
     # 0.6 inch per class up to 24 inches: 1000 classes would otherwise be 60,000 px wide.
     fig = Figure(figsize=(min(max(4, 0.6 * len(counts) + 2), 24), 4))
@@ -111,10 +110,8 @@ def plot_class_distribution(classes: Sequence[str], counts: Sequence[int],
 def plot_data_loader_image(data_loader: Iterable, classes: Sequence[str] | None = None,
                            path: str | os.PathLike | None = None, count: int = 4) -> Any:
     """The classic tutorial's look at a loader: the first ``count`` images of its first batch
-    (``uint8``, or normalised with ``IMAGENET_MEAN``/``STD``: undone), named by ``classes``
-    (default: ``class_indices.json`` here, as :func:`image_folder.read_split_data` writes it).
-    Saved to ``path``, else shown by pyplot (a window where there is a screen). Returns the
-    figure."""
+    (normalised or not), named by ``classes`` (default: ``class_indices.json`` here). Saved to
+    ``path``, else shown by pyplot. Returns the figure."""
     import matplotlib.pyplot as plt  # an optional extra, imported for a plot
     if classes is None and os.path.isfile("class_indices.json"):
         classes = list(json.loads(Path("class_indices.json").read_text("utf-8")).values())
