@@ -9,20 +9,21 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
 
 from multi_train_utils.train_eval_utils import IGNORE_INDEX
 from my_dataset import decode_jpegs, load_image_tensor, report_unreadable
 
 
 class Plan(NamedTuple):
-    """Crop ``box``, resize to ``size``, keep ``window``, maybe flip (boxes: top, left, h, w)."""
+    """Crop ``box`` (top, left, h, w), resize to ``size``, centre-crop to ``crop`` (padding as
+    ``v2.CenterCrop`` does), maybe flip."""
 
     box: tuple[int, int, int, int]
     size: tuple[int, int]
-    window: tuple[int, int, int, int]
+    crop: tuple[int, int]
     flip: bool
 
 
@@ -77,15 +78,9 @@ class BatchAugment:
             params = first.make_params([shape])
             box = (params["top"], params["left"], params["height"], params["width"])
             flip = bool(torch.rand(1) < second.p)  # v2 keeps the image if rand(1) >= p
-            return sample._replace(plan=Plan(box, first.size, (0, 0, *first.size), flip))
-        (h, w), (crop_h, crop_w) = first(shape).shape[1:], second.size  # v2's resize rule
-        window = (_centre(h, crop_h), _centre(w, crop_w), crop_h, crop_w)
-        return sample._replace(plan=Plan((0, 0, height, width), (h, w), window, False))
-
-
-def _centre(size: int, crop: int) -> int:
-    """Where ``v2.CenterCrop``'s window starts; before the image in the zeros v2 pads it with."""
-    return round((size - crop) / 2) if crop <= size else -((crop - size) // 2)
+            return sample._replace(plan=Plan(box, first.size, first.size, flip))
+        size = tuple(first(shape).shape[1:])  # v2's resize rule
+        return sample._replace(plan=Plan((0, 0, height, width), size, second.size, False))
 
 
 class JpegBatch(NamedTuple):
@@ -100,29 +95,27 @@ class JpegBatch(NamedTuple):
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(images uint8 (N, 3, S, S), labels (N,))`` on ``device`` as ``--decode workers``
-        gives them: one decode call, then per image v2's antialiased bilinear ``F.interpolate``
-        (``roi_align`` has no antialias). Unreadable files: listed, ignored (black)."""
+        gives them: one decode call, then :func:`_augment` per image. Unreadable files: listed,
+        black, their labels ignored."""
         parts = [x.view(s) for x, s in zip(self.data.split([s.numel() for s in self.shapes]),
                                             self.shapes)]
-        jpegs = [i for i, x in enumerate(parts) if x.dim() == 1]
+        jpegs = [(x, source) for x, source in zip(parts, self.sources) if x.dim() == 1]
         if device.type == "cuda":  # a host wait: nvJPEG's hardware engine ignores stream order
             # and may write into memory this stream's queued work still reads (vision#9606)
             torch.cuda.current_stream(device).synchronize()
         try:
-            decoded = decode_jpegs([parts[i] for i in jpegs], device) if jpegs else []
+            decoded = decode_jpegs([x for x, _ in jpegs], device) if jpegs else []
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception:  # one bad file fails the call: image by image, as the workers decode
-            decoded = [_decode_on_cpu(parts[i], self.sources[i], device) for i in jpegs]
+            decoded = [_decode_on_cpu(x, source, device) for x, source in jpegs]
         decoded = iter(decoded)
         images = [x.to(device, non_blocking=True) if x.dim() == 3 else next(decoded)
                   for x in parts]
-        failed = [x is None for x in images]  # ignored by the loss and evaluate
-        labels = self.labels.masked_fill(torch.tensor(failed), IGNORE_INDEX)
-        # An unreadable file: black, of the size its plan's crop box was drawn in.
-        out = torch.stack([_augment(x if x is not None else torch.zeros(
-            3, plan.box[0] + plan.box[2], plan.box[1] + plan.box[3], dtype=torch.uint8,
-            device=device), plan) for x, plan in zip(images, self.plans)])
+        labels = self.labels.masked_fill(torch.tensor([x is None for x in images]), IGNORE_INDEX)
+        out = torch.stack([_augment(x, plan).float() if x is not None  # else black, of its size
+                           else torch.zeros(3, *plan.crop, device=device)
+                           for x, plan in zip(images, self.plans)])
         return out.round_().to(torch.uint8), labels.to(device, non_blocking=True)
 
 
@@ -135,13 +128,10 @@ def _decode_on_cpu(data: torch.Tensor, source: tuple, device: torch.device) -> t
 
 
 def _augment(image: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """``uint8 (3, H, W)`` -> ``(3, h, w)``: the plan's crop, resize, window and flip, with v2's
-    kernels: uint8 on the CPU (the very pixels of ``--decode workers``), else float. A window
-    past the resized image's edge is padded with zeros, as ``v2.CenterCrop`` pads."""
-    top, left, height, width = plan.box
-    x = image[None, :, top:top + height, left:left + width]
-    x = F.interpolate(x if x.is_cpu else x.float(), size=plan.size, mode="bilinear",
-                      antialias=True, align_corners=False)
-    (top, left, height, width), (h, w) = plan.window, plan.size
-    x = F.pad(x[0], (-left, left + width - w, -top, top + height - h))  # < 0 crops, > 0 pads
-    return x.flip(-1) if plan.flip else x
+    """``uint8 (3, H, W)`` -> ``(3, h, w)``: the plan's steps with v2's own kernels, on uint8 on
+    the CPU (the very pixels of ``--decode workers``), else on float (antialiased bilinear
+    ``F.interpolate``, which ``roi_align`` lacks)."""
+    x = TF.resized_crop(image if image.is_cpu else image.float(), *plan.box, list(plan.size),
+                        antialias=True)
+    x = TF.center_crop(x, list(plan.crop))
+    return TF.horizontal_flip(x) if plan.flip else x

@@ -1,10 +1,6 @@
-"""ResNet and ResNeXt image classifiers: torchvision's own classes, plus ``include_top``; and
-every other classifier of torchvision by its name (``--model vit_b_16``), as its recipes use it.
-
-:class:`ResNet` is ``torchvision.models.ResNet``; the blocks are torchvision's :class:`BasicBlock`
-(ResNet-18/34) and :class:`Bottleneck` (ResNet-50 and deeper; stride on the 3x3 convolution, the
-"ResNet V1.5" of torchvision's weights). Its ImageNet weights load with ``strict=True``. By
-name, as ``--model`` and ``--weights``::
+"""ResNet and ResNeXt image classifiers: torchvision's own classes and blocks, plus
+``include_top``; and every other classifier of torchvision by its name, as its recipes use it.
+By name, as ``--model`` and ``--weights``::
 
     model = get_model("resnet50", num_classes=5)           # (N, 3, H, W) -> (N, 5)
     backbone = get_model("resnet50", include_top=False)    # (N, 3, H, W) -> (N, 2048, H/32, W/32)
@@ -33,7 +29,8 @@ log = logging.getLogger("train")
 
 
 class ResNet(torchvision.models.ResNet):
-    """torchvision's ResNet: ``(N, 3, H, W) -> (N, num_classes)`` logits; with
+    """torchvision's ResNet (Bottleneck: "ResNet V1.5", stride on the 3x3 convolution; its
+    ImageNet weights load with ``strict=True``): ``(N, 3, H, W) -> (N, num_classes)`` logits; with
     ``include_top=False`` no avgpool and fc, and ``(N, num_features, H / 32, W / 32)`` features
     (512 with BasicBlock, 2048 with Bottleneck; ``H / 16`` or ``H / 8`` with dilation).
     ``kwargs`` go to torchvision: ``zero_init_residual``, ``groups``, ``width_per_group``,
@@ -44,14 +41,11 @@ class ResNet(torchvision.models.ResNet):
                  num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> None:
         if not (isinstance(block, type) and issubclass(block, (BasicBlock, Bottleneck))):
             raise ValueError(f"block must be BasicBlock, Bottleneck or a subclass, got {block!r}.")
-        if len(layers) != 4 or any(not isinstance(n, int) or n < 1 for n in layers):
-            raise ValueError(f"layers must be four positive block counts, got {layers!r}.")
-        # bool is an int subclass; num_classes=True is always a mistake.
-        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-            raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
-        widths = kwargs.get("groups", 1), kwargs.get("width_per_group", 64)
-        if any(not isinstance(n, int) or n < 1 for n in widths):
-            raise ValueError(f"groups and width_per_group must be positive integers, got {widths}.")
+        counts = [num_classes, kwargs.get("groups", 1), kwargs.get("width_per_group", 64)]
+        # type(n) is int: num_classes=True (bool is an int subclass) is always a mistake.
+        if len(layers) != 4 or any(type(n) is not int or n < 1 for n in [*counts, *layers]):
+            raise ValueError("num_classes, groups, width_per_group and the four layers' block "
+                             f"counts must be positive integers, got {counts} and {layers!r}.")
         if issubclass(block, BasicBlock) and any(kwargs.get("replace_stride_with_dilation") or []):
             raise ValueError("replace_stride_with_dilation needs resnet50 or deeper.")
         norm = kwargs.get("norm_layer") or nn.BatchNorm2d
@@ -110,11 +104,6 @@ MODELS = {f.__name__: f for f in (resnet18, resnet34, resnet50, resnet101,
                                   resnext50_32x4d, resnext101_32x8d)}
 
 
-def is_weights_name(value: str) -> bool:
-    """Whether ``--weights value`` names torchvision's weights (``ResNet50_Weights.DEFAULT``)."""
-    return bool(re.fullmatch(r"\w+_Weights\.\w+", value)) and not os.path.isfile(value)
-
-
 def get_model(name: str, num_classes: int = 1000, img_size: int | None = None,
               **kwargs: Any) -> nn.Module:
     """``(N, 3, H, W) -> (N, num_classes)``: the :data:`MODELS` builder ``name``, else torchvision's
@@ -138,11 +127,10 @@ def get_model(name: str, num_classes: int = 1000, img_size: int | None = None,
 def weights_size(name: str, weights: str | None) -> int | None:
     """The one crop size ``name`` takes with torchvision's ``weights`` by name (a ViT's: their
     ``meta["min_size"]``), else None; a :class:`ConfigError` if they are another model's."""
-    if not (weights and is_weights_name(weights)
-            and name in torchvision.models.list_models(module=torchvision.models)):
-        return None  # no weights by name, or an unknown name: get_model says so
-    own = _weights_enum(weights, name)
-    return own.meta["min_size"][0] if name.startswith("vit_") else None
+    if not weights or name not in torchvision.models.list_models(module=torchvision.models):
+        return None  # no weights, or an unknown name: get_model says so
+    named = _weights_enum(weights, name)
+    return named.meta["min_size"][0] if named and name.startswith("vit_") else None
 
 
 def check_model(name: str, img_size: int, weights: str | None = None, *,
@@ -150,45 +138,38 @@ def check_model(name: str, img_size: int, weights: str | None = None, *,
     """A :class:`ConfigError` for an unknown ``name``, ``weights`` named for another model or
     crop size, or a model that cannot take ``img_size`` crops (a ViT is built for them), those
     of ``crops`` (``{"--val-crop-size": 256}``), or train on batches of ``train_batch`` (BatchNorm
-    needs more than one value per channel): it runs on the meta device."""
+    needs more than one value per channel): it builds and runs the model on the meta device."""
     if (fixed := weights_size(name, weights)) not in (None, img_size):
         raise ConfigError(f"--weights {weights} is for {fixed} px crops (its position embeddings "
                           f"fit that size alone); use --img-size {fixed}.")
+    # One forward per check: (flag, crop size, batch, train mode).
+    checks = [(flag, size, 1, False) for flag, size in [("--img-size", img_size),
+                                                        *(crops or {}).items()]]
+    checks += [("--batch-size", img_size, train_batch, True)] if train_batch else []
+    flag, size, batch, train = checks[0]  # a build that fails is said as the first check
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), torch.no_grad():
             model = get_model(name, num_classes=2, img_size=img_size)
-    except NotImplementedError:  # RegNet computes its widths with tensors, which meta lacks;
-        return  # it takes any size
+            for check in checks:
+                flag, size, batch, train = check
+                model.train(train)(torch.empty(batch, 3, size, size))
+    except NotImplementedError:  # an operation meta lacks (RegNet computes its widths with
+        return  # tensors): left to the first real forward
     except (RuntimeError, AssertionError, ValueError) as exc:  # a ViT's size: a multiple of 16
-        raise ConfigError(f"--model {name} cannot take --img-size {img_size} crops "
-                          f"({_first_line(exc)}); use 224.") from None
-    for flag, size in [("--img-size", img_size), *(crops or {}).items()]:
-        if reason := _forward_fails(model.eval(), 1, size):
-            raise ConfigError(f"--model {name} cannot take {flag} {size} crops ({reason}); use "
-                              f"{img_size if size != img_size else 224}.")
-    if train_batch and (reason := _forward_fails(model.train(), train_batch, img_size)):
-        raise ConfigError(f"--model {name} cannot train on --batch-size {train_batch} at "
-                          f"--img-size {img_size}: BatchNorm would see one value per channel "
-                          f"({reason}); raise --batch-size or --img-size.")
-
-
-def _forward_fails(model: nn.Module, batch: int, size: int) -> str:
-    """Why ``model`` (on the meta device) cannot take ``batch`` crops of ``size``, or ''."""
-    try:
-        with torch.no_grad():
-            model(torch.empty(batch, 3, size, size, device="meta"))
-    except NotImplementedError:  # an operation meta lacks: not checked here
-        return ""
-    except (RuntimeError, AssertionError, ValueError) as exc:
-        return _first_line(exc)
-    return ""
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc) or type(exc).__name__).splitlines()[0]
+        reason = (str(exc) or type(exc).__name__).splitlines()[0]
+        if train:
+            raise ConfigError(f"--model {name} cannot train on --batch-size {batch} at --img-size "
+                              f"{img_size}: BatchNorm would see one value per channel ({reason}); "
+                              "raise --batch-size or --img-size.") from None
+        raise ConfigError(f"--model {name} cannot take {flag} {size} crops ({reason}); use "
+                          f"{img_size if size != img_size else 224}.") from None
 
 
 def _weights_enum(value: str, model_name: str) -> Any:
+    """The member of ``model_name``'s weights enum that ``value`` names
+    (``ResNet50_Weights.DEFAULT``); None for a file."""
+    if not re.fullmatch(r"\w+_Weights\.\w+", value) or os.path.isfile(value):
+        return None
     own = torchvision.models.get_model_weights(model_name)  # an enum: IMAGENET1K_V1, DEFAULT, ...
     enum_name, _, member = value.partition(".")
     weights = own.__members__.get(member) if enum_name == own.__name__ else None
@@ -201,9 +182,8 @@ def _weights_enum(value: str, model_name: str) -> Any:
 def named_weights(value: str, model_name: str) -> dict[str, Tensor] | None:
     """The state dict (1000 classes) of torchvision's weights ``value`` for ``model_name``, from
     torch hub's cache (``$TORCH_HOME``), downloaded if missing; ``None`` for a file name."""
-    if not is_weights_name(value):
+    if (weights := _weights_enum(value, model_name)) is None:
         return None
-    weights = _weights_enum(value, model_name)
     folder = os.path.join(torch.hub.get_dir(), "checkpoints")
     file = weights.url.rsplit("/", 1)[-1]  # torch hub's name for it
     timeout = socket.getdefaulttimeout()

@@ -91,7 +91,7 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     # Rank 0's real tensors, held before fully_shard swaps in the shards (state_dict() copies
     # nothing): the values every rank's shards take.
@@ -103,23 +103,17 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
     # run on a GPU host would shard onto CUDA under a gloo group. The run's device decides.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    if units is None:
-        blocks = fsdp_units(model)
-    else:
-        classes = tuple(u for u in units if isinstance(u, type))
-        blocks = [m for m in model.modules() if m is not model
-                  and (isinstance(m, classes) or type(m).__name__ in units)]
-    done: set[int] = set()  # modules already in a unit
+    blocks = fsdp_units(model) if units is None else [
+        m for m in model.modules() if m is not model and any(
+            isinstance(m, u) if isinstance(u, type) else type(m).__name__ == u for u in units)]
     for unit in [*reversed(blocks), model]:  # innermost first: each unit takes what is left
-        if mixed_precision is not None:
-            norms = [m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                     and id(m) not in done]
-            if norms:
-                fully_shard(norms, mesh=mesh)  # one float32 unit (no policy: their own dtype)
+        norms = [m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 and not isinstance(m, FSDPModule)]  # not in an inner unit already
+        if mixed_precision is not None and norms:
+            fully_shard(norms, mesh=mesh)  # one float32 unit (no policy: their own dtype)
         # The root too frees its gathered parameters after forward (FSDP2 keeps them by default,
         # for the backward that follows): after evaluate() no unit stays whole.
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-        done |= {id(m) for m in unit.modules()}
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device=device)  # this rank's shards, uninitialised until filled below
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
@@ -143,32 +137,28 @@ def save_shards(folder: str | os.PathLike, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> None:
     """Every rank writes its own shards of the (bare) model's and the optimizer's state into
     ``folder``, gathering nothing: ``torch.distributed.checkpoint``."""
-    from torch.distributed.checkpoint import save
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as states
 
     share_buffers(model)  # rank 0's BatchNorm statistics, as a whole-state save takes them
-    save({"model": get_model_state_dict(model),
-          "optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder)
+    dcp.save({"model": states.get_model_state_dict(model),
+              "optimizer": states.get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder)
 
 
 def load_shards(folder: str | os.PathLike, model: nn.Module,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
     """Inverse of :func:`save_shards` (no ``optimizer``: the model alone) at any world size,
     under FSDP, DDP or in one process: each rank reads into its own tensors what they hold."""
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as states
 
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": states.get_model_state_dict(model)}
     if optimizer is not None:  # its lazy state made, zeros, for the file's to fill
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state["model"])
+        state["optimizer"] = states.get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    states.set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        states.set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def read_shards(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -187,11 +177,9 @@ def _share_buffers_for_eval(module: nn.Module, inputs: object) -> None:
     """Before an eval-mode forward, every rank takes rank 0's buffers (BatchNorm's running
     statistics, which FSDP2 does not synchronise), as DDP's ``broadcast_buffers`` does: each rank
     scores its share of the val set with the saved statistics; once per evaluation."""
-    if module.training:
-        module.buffers_shared = False
-    elif not getattr(module, "buffers_shared", False):
+    if not (module.training or getattr(module, "buffers_shared", False)):
         share_buffers(module)
-        module.buffers_shared = True
+    module.buffers_shared = not module.training
 
 
 def share_buffers(module: nn.Module) -> None:
@@ -211,14 +199,13 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     micro-batches of gradient accumulation skip it (DDP's ``no_sync``, FSDP2's
     ``set_requires_gradient_sync(False)``), and the final one reduces the summed gradient."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    if enabled:
-        yield
-    elif is_sharded(model):
-        model.set_requires_gradient_sync(False)
+    if is_sharded(model):
+        model.set_requires_gradient_sync(enabled)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
     else:
-        with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+        skip = not enabled and hasattr(model, "no_sync")  # DDP; else one process: nothing to skip
+        with model.no_sync() if skip else contextlib.nullcontext():
             yield

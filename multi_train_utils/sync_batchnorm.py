@@ -57,29 +57,27 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         # 8-bit mantissa sums (and counts: 87808 rounds to 88064) are off by whole units.
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         n = input.numel() / channels
-        # Each rank sums around its own batch mean (detached), so that float32 sums of squares
-        # do not cancel catastrophically when |mean| >> std; the ranks' sums are then combined
-        # exactly in float64 (Chan et al.'s pairwise update, written as sums, so one all-reduce
-        # serves every rank and autograd): nothing depends on the ranks agreeing beforehand
-        # (their running means differ with DDP(broadcast_buffers=False), or without DDP).
-        shift = x.detach().sum(dims) / max(n, 1)  # 0 for a rank with an empty batch
-        centred = x - shift.view(shape)
-        s1, s2 = centred.sum(dims).double(), (centred * centred).sum(dims).double()
-        m = shift.double()
+        # Each rank sums x and x^2 around its own batch mean m (detached), so that float32 sums
+        # of squares do not cancel when |mean| >> std, and expands them in float64
+        # (sum x = sum c + n m, sum x^2 = sum c^2 + 2 m sum c + n m^2, for c = x - m): one
+        # all-reduce then serves every rank and autograd, and nothing depends on the ranks
+        # agreeing beforehand (their running means differ with DDP(broadcast_buffers=False)).
+        m = x.detach().sum(dims) / max(n, 1)  # 0 for a rank with an empty batch
+        c = x - m.view(shape)
+        s1, s2, m = c.sum(dims).double(), (c * c).sum(dims).double(), m.double()
         count = torch.full((1,), n, dtype=torch.float64, device=x.device)
-        stats = _AllReduceSum.apply(torch.cat([s1, s2, m * s1, n * m, n * m * m, count]),
+        stats = _AllReduceSum.apply(torch.cat([s1 + n * m, s2 + 2 * m * s1 + n * m * m, count]),
                                     self.process_group)
-        s1, s2, m_s1, n_m, n_m2 = stats[:-1].view(5, channels)
         total = stats[-1]
         if total.item() < 2:
             raise ValueError("SyncBatchNorm needs more than one value per channel over all ranks "
                              f"(got {int(total.item())}); use a larger batch.")
-        mean = (s1 + n_m) / total
-        # sum over ranks of sum((x - shift_r + shift_r - mean)^2), expanded; biased, for
-        # normalising. Clamped: a channel constant over the batch (identical or blank images)
-        # has variance 0, which rounding can take below -eps, and rsqrt to NaN (torch gives 0).
-        var = ((s2 + 2 * m_s1 - 2 * mean * s1 + n_m2 - 2 * mean * n_m + mean * mean * total)
-               / total).clamp(min=0)
+        mean, mean_square = stats[:-1].view(2, channels) / total
+        # Biased, for normalising; in float64 the difference keeps more digits of the variance
+        # than float32 inputs hold of their spread.
+        # Clamped: a channel constant over the batch (identical or blank images) has variance 0,
+        # which rounding can take below -eps, and rsqrt to NaN (torch gives 0).
+        var = (mean_square - mean * mean).clamp(min=0)
         mean, var = mean.to(x.dtype), var.to(x.dtype)
 
         if self.track_running_stats:
