@@ -1,11 +1,10 @@
 """``MyDataSet``: image files and labels in, ``(image, label)`` out; a bad file does not kill the
-run. JPEGs are decoded by TorchCodec or ``torchvision.io`` (twice PIL's speed, see docs), other
-formats by PIL; the classic ``Compose([..., ToTensor(), Normalize(...)])`` gets PIL images."""
+run (docs/bad-data.md). JPEGs are decoded by TorchCodec or ``torchvision.io``, other formats by
+PIL; the classic ``Compose([..., ToTensor(), Normalize(...)])`` gets PIL images."""
 
 from __future__ import annotations
 
 import errno
-import functools
 import io
 import logging
 import os
@@ -82,7 +81,7 @@ def load_image_tensor(path: str) -> torch.Tensor:
     with open(path, "rb") as f:  # the rest only for a JPEG: PIL opens other formats itself
         data = f.read(len(_JPEG_START))
         data += f.read() if data == _JPEG_START else b""
-    if data.startswith(_JPEG_START) and (codec_decode_jpeg or decode_jpeg) is not None:
+    if data.startswith(_JPEG_START):
         try:
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             return decode_jpegs([data], torch.device("cpu"))[0]
@@ -147,7 +146,8 @@ class MyDataSet(Dataset):
         if len(images_path) != len(images_class):
             raise ValueError(f"{len(images_path)} image paths but {len(images_class)} labels")
         self.images_path = list(images_path)
-        self.images_class = [int(y) for y in images_class]
+        self._labels = np.asarray(images_class, dtype=np.int64)  # a class's other images: below
+        self.images_class = self._labels.tolist()
         self.transform = transform
         self.use_pil = not (transform is None or isinstance(transform, v2.Transform)
                             or hasattr(transform, "read"))  # device_decode's reads the files
@@ -172,12 +172,10 @@ class MyDataSet(Dataset):
         if self.transform is None:
             return img, label
         epoch = int(self._epoch[0])
-        if epoch < 0:
-            return self.transform(img), label
-        with torch.random.fork_rng(devices=[]):  # the CPU generator only; restored after
-            # Not torch.manual_seed: it would reseed the GPUs' generators too (--workers 0).
-            torch.default_generator.manual_seed(
-                ((self.seed * 1_000_003 + epoch) * 1_000_003 + index) % 2**63)
+        with torch.random.fork_rng(devices=[], enabled=epoch >= 0):  # the CPU generator only
+            if epoch >= 0:  # not torch.manual_seed: it would reseed the GPUs' too (--workers 0)
+                torch.default_generator.manual_seed(
+                    ((self.seed * 1_000_003 + epoch) * 1_000_003 + index) % 2**63)
             return self.transform(img), label
 
     def _load(self, index: int) -> Any:
@@ -211,10 +209,6 @@ class MyDataSet(Dataset):
             rng = np.random.default_rng([self.seed % 2**63, max(int(self._epoch[0]), 0), index])
             yield from (int(i) for i in rng.permutation(same) if not self._bad[i])
 
-    @functools.cached_property
-    def _labels(self) -> np.ndarray:  # at the first unreadable file, not each: 0.1 s at 1.28M
-        return np.asarray(self.images_class)
-
     @staticmethod
     def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[(image (3, H, W), label), ...]`` -> ``(images (N, 3, H, W), labels (N,) int64)``."""
@@ -246,8 +240,8 @@ def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | N
 
 def default_workers(batch_size: int, device: torch.device) -> int:
     """Loader workers per process: at most one per image of the batch and this process's share of
-    the CPUs. On CUDA every CPU but the one launching kernels (an H200 with 16 CPUs: 15 workers fed
-    ResNet34 5,720 img/s, 8 workers 3,819); on CPU at most 8, as they take cores from training."""
+    the CPUs; on CUDA all but the one launching kernels, on CPU at most 8, as they take cores from
+    training (measured: docs/performance.md)."""
     batch_cap = batch_size if batch_size > 1 else 0
     if device.type == "cuda":
         return max(0, min(cpus_per_process() - 1, batch_cap))

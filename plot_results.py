@@ -1,25 +1,21 @@
-"""Compare training runs: accuracy, loss and time per epoch, as PNG charts.
-
-Every number plotted is read from the runs' own ``metrics.jsonl`` (one JSON object per epoch,
-written by the training script into its ``--output-dir``)::
+"""Compare training runs as PNG charts, each number read from a run's ``metrics.jsonl`` (one JSON
+object per epoch, written by the training script into its ``--output-dir``)::
 
     python plot_results.py runs/a runs/b --labels "1 GPU" "2 GPUs, SyncBN" --out-dir plots
 
-writes ``plots/accuracy.png`` (validation top-1 per epoch, one line per run), ``plots/loss.png``
-(training loss solid, validation loss dashed) and ``plots/epoch_time.png`` (mean seconds per
-epoch, one bar per run), and prints their paths. A run's label defaults to its folder name.
+writes ``accuracy.png`` (validation top-1), ``loss.png`` (training solid, validation dashed) and
+``epoch_time.png`` (mean seconds per epoch) and prints their paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -32,48 +28,40 @@ METRICS_FILE = "metrics.jsonl"
 REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
 
 
-@dataclass
-class Run:
+class Run(NamedTuple):
     """One training run: its label and its epoch records, sorted by epoch, one per epoch."""
 
     label: str
     records: list[dict[str, Any]]
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        """``(epochs, values)`` for the records that have a number under ``key``."""
-        points = [(r["epoch"], float(r[key])) for r in self.records if _is_number(r.get(key))]
+        """``(epochs, values)`` of the records that have a value under ``key`` (``val_loss``
+        is null in an epoch without validation)."""
+        points = [(r["epoch"], r[key]) for r in self.records if r.get(key) is not None]
         return [e for e, _ in points], [v for _, v in points]
-
-
-def _is_number(value: Any) -> bool:
-    # bool is an int subclass, but a true/false in a metrics file is a bug, not a number.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl``; malformed lines are skipped with a warning on stderr. When an
     epoch appears more than once (a run resumed from an older checkpoint re-trains those epochs),
     the last record wins: it describes the weights the run continued from."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise UserError(f"no {METRICS_FILE} in {path.parent}; "
-                         "pass the --output-dir of a training run.") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {path} ({exc}).") from None
+    try:  # undecodable bytes become a malformed line
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror or exc}); pass the --output-dir of "
+                        "a training run.") from None
     by_epoch: dict[int, dict[str, Any]] = {}
     for lineno, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)  # a line cut short by a crash mid-write raises here
         except json.JSONDecodeError:
             record = None
-        if (not isinstance(record, dict)
-                or not all(_is_number(record.get(k)) for k in REQUIRED_KEYS)):
-            if line.strip():
-                print(f"warning: {path}:{lineno}: skipping a line that is not an epoch record with "
-                      f"{', '.join(REQUIRED_KEYS)}.", file=sys.stderr)
-            continue
-        by_epoch[int(record["epoch"])] = {**record, "epoch": int(record["epoch"])}
+        if isinstance(record, dict) and all(
+                isinstance(record.get(k), (int, float)) for k in REQUIRED_KEYS):
+            by_epoch[int(record["epoch"])] = {**record, "epoch": int(record["epoch"])}
+        elif line.strip():
+            print(f"warning: {path}:{lineno}: skipping a line that is not an epoch record with "
+                  f"{', '.join(REQUIRED_KEYS)}.", file=sys.stderr)
     if not by_epoch:
         raise UserError(f"{path} has no epoch records; has the run finished its first epoch?")
     return [by_epoch[epoch] for epoch in sorted(by_epoch)]
@@ -83,7 +71,7 @@ def load_runs(run_dirs: Sequence[Path], labels: Sequence[str] | None = None) -> 
     """Read every run directory; ``labels`` (one per run) replace the folder names."""
     if labels and len(labels) != len(run_dirs):
         raise UserError(f"got {len(labels)} --labels for {len(run_dirs)} runs; "
-                         "give one label per run.")
+                        "give one label per run.")
     labels = labels or [Path(d).resolve().name for d in run_dirs]
     return [Run(label, load_metrics(Path(d) / METRICS_FILE)) for d, label in zip(run_dirs, labels)]
 
@@ -122,7 +110,7 @@ def plot_loss(runs: Sequence[Run]) -> Figure:
 
 def plot_epoch_time(runs: Sequence[Run]) -> Figure:
     fig, ax = _new_figure("Time per epoch", "", "mean seconds per epoch")
-    means = [math.fsum(s) / len(s) for s in (run.series("epoch_seconds")[1] for run in runs)]
+    means = [statistics.fmean(r["epoch_seconds"] for r in run.records) for run in runs]
     positions = list(range(len(runs)))
     bars = ax.bar(positions, means, color=[f"C{i}" for i in positions])
     ax.bar_label(bars, labels=[f"{m:.1f} s" for m in means], padding=2)
@@ -132,27 +120,24 @@ def plot_epoch_time(runs: Sequence[Run]) -> Figure:
     return fig
 
 
-def save_plots(runs: Sequence[Run], out_dir: Path, dpi: int = 120) -> list[Path]:
-    """Write the three charts into ``out_dir`` (created if needed); returns their paths."""
-    charts = {"accuracy.png": plot_accuracy, "loss.png": plot_loss,
-              "epoch_time.png": plot_epoch_time}
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, plot in charts.items():
-            plot(runs).savefig(out_dir / name, dpi=dpi)
-    except OSError as exc:  # a file in the way, a read-only folder, a full disk
-        raise UserError(f"cannot write the plots into --out-dir {out_dir} "
-                         f"({exc.strerror or exc}).") from None
-    return [out_dir / name for name in charts]
+CHARTS = {"accuracy.png": plot_accuracy, "loss.png": plot_loss, "epoch_time.png": plot_epoch_time}
 
 
 def main(args: argparse.Namespace) -> None:
+    out = Path(args.out_dir)
     try:
-        written = save_plots(load_runs(args.run_dirs, args.labels), Path(args.out_dir), args.dpi)
+        runs = load_runs(args.run_dirs, args.labels)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for name, plot in CHARTS.items():
+                plot(runs).savefig(out / name, dpi=args.dpi)
+        except OSError as exc:  # a file in the way, a read-only folder, a full disk
+            raise UserError(f"cannot write the plots into --out-dir {out} "
+                            f"({exc.strerror or exc}).") from None
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    print("\n".join(map(str, written)))
+    print("\n".join(str(out / name) for name in CHARTS))
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:

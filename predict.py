@@ -1,14 +1,9 @@
 """Classify images with weights written by the training script (docs/evaluate-and-predict.md).
 
     python predict.py --weights runs/train/model_best.pth tulip.jpg photos/
-    python predict.py --weights runs/train/weights/model-29.pth --top-k 1 photos/
 
-Each image (folders: every image below them) prints one tab-separated line: its path, then the
-top-k ``class: probability`` pairs; an unreadable image is reported on stderr (exit code 1).
+or from Python::
 
-From Python::
-
-    from predict import load_predictor, predict
     model, classes, preprocess = load_predictor("runs/train/model_best.pth")
     for p in predict(model, ["tulip.jpg"], classes, preprocess, torch.device("cpu"), top_k=3):
         print(p.path, p.top_k)
@@ -23,7 +18,6 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +34,7 @@ from image_folder import IMG_EXTENSIONS
 
 DEFAULT_MODEL = "resnet34"
 DEFAULT_IMG_SIZE = 224
+Preprocess = Callable[[Tensor], Tensor]  # uint8 (3, H, W) -> uint8 (3, crop, crop)
 
 
 @dataclass(frozen=True)
@@ -64,22 +59,12 @@ def load_class_names(path: Path) -> list[str]:
     """``class_indices.json`` (``{"0": "daisy", "1": "dandelion", ...}``) as a list by index."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+        return [str(data[str(i)]) for i in range(len(data))]
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read class indices {path} ({exc}).") from None
-    keys = [str(i) for i in range(len(data))] if isinstance(data, dict) else None
-    if not keys or sorted(data, key=lambda k: (len(k), k)) != keys:
+    except (KeyError, TypeError):  # a gap would shift every label after it
         raise UserError(f"{path} must map the indices 0..N-1 to class names, "
-                        'like {"0": "daisy"}.')
-    return [str(data[k]) for k in keys]
-
-
-def _read_args(path: Path | None) -> dict[str, Any]:
-    """A run's ``args.json``, or ``{}`` when there is none or it is not a JSON object."""
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8")) if path else {}
-    except (OSError, ValueError):
-        recorded = {}
-    return recorded if isinstance(recorded, dict) else {}
+                        'like {"0": "daisy"}.') from None
 
 
 def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
@@ -104,31 +89,30 @@ def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
 
 def load_predictor(weights: Path | str, *, model: str | None = None, img_size: int | None = None,
                    class_indices: Path | str | None = None
-                   ) -> tuple[nn.Module, list[str], Callable[[Tensor], Tensor]]:
+                   ) -> tuple[nn.Module, list[str], Preprocess]:
     """``(model in eval mode on the CPU, class names, the run's validation preprocessing)`` for
     ``weights``; the keyword arguments override what the checkpoint or the run's files record."""
     weights = Path(weights)
     obj = load_file(weights)  # CPU, weights_only=True: a file from elsewhere cannot run code
-    state_dict = extract_state_dict(obj, weights)
-    full = isinstance(obj, dict) and (isinstance(obj.get("model"), dict) or "shards" in obj)
-    recorded = obj.get("args") if full else None
-    if not isinstance(recorded, dict):  # bare weights: the run's args.json records them
-        recorded = _read_args(run_file(weights, "args.json"))
-    classes = obj.get("classes") if full else None
-    if class_indices is not None:
-        classes = load_class_names(Path(class_indices))
-    elif not classes:
-        found = run_file(weights, "class_indices.json")
+    state_dict = extract_state_dict(obj, weights)  # obj is a dict, or this raised
+    recorded, classes = obj.get("args"), obj.get("classes")  # none in bare weights: run_file
+    if not isinstance(recorded, dict) and (found := run_file(weights, "args.json")):
+        try:
+            recorded = json.loads(found.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # damaged: as if there were none
+            pass
+    recorded = recorded if isinstance(recorded, dict) else {}
+    if class_indices or not (isinstance(classes, (list, tuple)) and classes):
+        found = class_indices or run_file(weights, "class_indices.json")
         if found is None:
             raise UserError(f"no class names: {weights} holds none and there is no "
                             "class_indices.json beside it or one folder up; pass --class-indices.")
-        classes = load_class_names(found)
+        classes = load_class_names(Path(found))
     # `or`, not a .get default: args.json holds null for options left unset.
     name = model or recorded.get("model") or DEFAULT_MODEL
     trained = int(recorded.get("img_size") or img_size or DEFAULT_IMG_SIZE)  # the size a ViT fits
     net = build_model(name, state_dict, len(classes), trained)
-    size = img_size or recorded.get("img_size")
-    if not size:
+    if not (img_size or recorded.get("img_size")):
         # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
         print(f"warning: no image size recorded for {weights}; assuming {DEFAULT_IMG_SIZE} px: "
               "pass the --img-size used in training.", file=sys.stderr)
@@ -136,7 +120,7 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     sizes = {} if img_size else {k: recorded.get(k) for k in ("val_resize_size", "val_crop_size")}
     check_model(name, trained, crops={"--img-size": img_size or sizes["val_crop_size"] or trained})
     return net, list(classes), get_transforms(
-        int(size or DEFAULT_IMG_SIZE), interpolation=recorded.get("interpolation") or "bilinear",
+        img_size or trained, interpolation=recorded.get("interpolation") or "bilinear",
         **sizes)["val"]
 
 
@@ -154,41 +138,34 @@ def collect_images(inputs: Sequence[Path | str]) -> list[Path]:
     return list(dict.fromkeys(paths))  # a file named and also inside a named folder: once
 
 
-def _load(path: Path, transform: Any) -> Tensor:
-    """``uint8 (3, img_size, img_size)``. The header check comes first, as in training's scan: it
-    refuses what the decoder would hang on (a FIFO) or decode in full (a decompression bomb)."""
-    if why := check_image(str(path)):
-        raise OSError(why)
-    return transform(load_image_tensor(str(path)))
-
-
 @torch.inference_mode()
 def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str],
-            img_size: int | Callable[[Tensor], Tensor],
-            device: torch.device, top_k: int = 5, batch_size: int = 32) -> Iterator[Prediction]:
+            preprocess: Preprocess, device: torch.device, top_k: int = 5,
+            batch_size: int = 32) -> Iterator[Prediction]:
     """One :class:`Prediction` per path, in order, batch by batch (so output can start early).
-    Images get training's validation preprocessing, so ``model`` sees what the validation
-    accuracy saw (``img_size``: a crop size, or :func:`load_predictor`'s preprocessing):
-    ``(B, 3, img_size, img_size)`` normalised -> ``(B, len(classes))`` logits."""
-    transform = get_transforms(img_size)["val"] if isinstance(img_size, int) else img_size
+    ``preprocess`` is :func:`load_predictor`'s, so ``model`` sees what the validation accuracy
+    saw: ``(B, 3, crop, crop)`` normalised -> ``(B, len(classes))`` logits."""
     model.eval().to(device)  # eval: BatchNorm uses its running statistics, not the batch's
     for start in range(0, len(paths), batch_size):
-        results: dict[Path, Prediction] = {}
-        good: list[tuple[Path, Tensor]] = []
-        for path in paths[start:start + batch_size]:
-            try:
-                good.append((path, _load(path, transform)))
+        chunk, images, errors = paths[start:start + batch_size], [], {}
+        for path in chunk:
+            try:  # the header check first, as in training's scan: it refuses what the decoder
+                # would hang on (a FIFO) or decode in full (a decompression bomb)
+                if why := check_image(str(path)):
+                    raise OSError(why)
+                images.append(preprocess(load_image_tensor(str(path))))
             except Exception as exc:  # decoders of untrusted files raise many types
-                results[path] = Prediction(path, None, [], str(exc) or type(exc).__name__)
-        if good:
-            batch = prepare_images(torch.stack([t for _, t in good]), device)
-            probs = model(batch).float().softmax(dim=1).cpu()
-            values, indices = probs.topk(min(top_k, len(classes)), dim=1)
-            for row, (path, _) in enumerate(good):
-                pairs = [(classes[i], p)
-                         for i, p in zip(indices[row].tolist(), values[row].tolist())]
-                results[path] = Prediction(path, probs[row], pairs)
-        yield from (results[p] for p in paths[start:start + batch_size])
+                errors[path] = str(exc) or type(exc).__name__
+        batch = prepare_images(torch.stack(images), device) if images else None
+        rows = iter(model(batch).float().softmax(dim=1).cpu() if images else [])
+        for path in chunk:
+            if path in errors:
+                yield Prediction(path, None, [], errors[path])
+                continue
+            probs = next(rows)
+            values, indices = probs.topk(min(top_k, len(classes)))
+            top = [(classes[i], p) for i, p in zip(indices.tolist(), values.tolist())]
+            yield Prediction(path, probs, top)
 
 
 def format_prediction(pred: Prediction) -> str:
@@ -201,17 +178,16 @@ def format_prediction(pred: Prediction) -> str:
 def main(args: argparse.Namespace) -> None:
     try:
         device = pick_device(args.device)  # a mistake: one error line, as in training
-        if not (args.images or args.export):
-            raise UserError("no images given: name image files or folders (or --export FILE).")
+        paths = collect_images(args.images)
+        if not (paths or args.export):
+            where = f"in {', '.join(map(str, args.images))}" if args.images else "given"
+            raise UserError(f"no image files {where}; name image files or folders, or --export.")
         model, classes, preprocess = load_predictor(args.weights, model=args.model,
                                                     img_size=args.img_size,
                                                     class_indices=args.class_indices)
         if args.export:  # any checkpoint of a run, sharded (fsdp) or not: torchvision's format
             save_atomic(model.state_dict(), args.export)
             return print(f"wrote {args.export}: the model of {args.weights}, as a state dict")
-        paths = collect_images(args.images)
-        if not paths:
-            raise UserError(f"no image files in {', '.join(map(str, args.images))}.")
     except UserError as exc:  # CheckpointError too: a missing, damaged or foreign file
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

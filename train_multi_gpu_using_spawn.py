@@ -27,57 +27,51 @@ from train_multi_gpu_using_launch import get_args_parser, main
 log = logging.getLogger("spawn")
 
 
-def worker(local_rank: int, args: argparse.Namespace, world_size: int, addr: str,
-           port: int) -> None:
+def worker(local_rank: int, args: argparse.Namespace, env: dict[str, str]) -> None:
     """One process: the variables torchrun would set, then the launcher's main."""
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR=addr, MASTER_PORT=str(port), DDP_SPAWNED="1")
+    os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     # A spawned process would start its DataLoader workers by spawn too, re-importing torch in
     # each (seconds apiece); start them the platform's default way, as torchrun's processes do.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     guarded(main, args, rerun_hint=lambda: rerun_hint(args.output_dir, args.resume))
 
 
-def world_size_of(args: argparse.Namespace) -> int:
+def world_size_of(device: str, world_size: int | None) -> int:
     """--world-size, else one process per visible GPU, else 2 CPU processes."""
-    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
-    if args.world_size is not None:
-        if 0 < gpus < args.world_size:
-            raise ConfigError(f"--world-size {args.world_size} but only {gpus} GPU(s) are "
-                              "visible; lower it, or add --device cpu.")
-        return args.world_size
-    if args.device == "cuda" and gpus == 0:
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    if device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda but no GPU is visible; use --device cpu.")
-    return gpus or 2
+    if world_size and 0 < gpus < world_size:
+        raise ConfigError(f"--world-size {world_size} but only {gpus} GPU(s) are visible; "
+                          "lower it, or add --device cpu.")
+    return world_size or gpus or 2
 
 
-def rendezvous(args: argparse.Namespace) -> tuple[str, int]:
+def rendezvous(dist_url: str) -> tuple[str, int]:
     """Where the processes meet: --dist-url tcp://HOST:PORT, MASTER_ADDR/PORT, or a free port."""
-    if args.dist_url.startswith("tcp://"):
-        url = urlparse(args.dist_url)
+    if dist_url.startswith("tcp://"):
+        url = urlparse(dist_url)
         if url.hostname is None or url.port is None:
-            raise ConfigError(f"--dist-url {args.dist_url} is not tcp://HOST:PORT.")
+            raise ConfigError(f"--dist-url {dist_url} is not tcp://HOST:PORT.")
         return url.hostname, url.port
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     return addr, int(os.environ.get("MASTER_PORT") or find_free_port())
 
 
 def launch(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    world_size = world_size_of(args)
-    addr, port = rendezvous(args)
+    world_size = world_size_of(args.device, args.world_size)  # logging: set up by guarded()
+    addr, port = rendezvous(args.dist_url)
     # Every process reads the rendezvous from the environment, as under torchrun.
+    env = dict(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=addr,
+               MASTER_PORT=str(port), DDP_SPAWNED="1")
     args = argparse.Namespace(**{**vars(args), "world_size": world_size, "dist_url": "env://"})
     log.info("starting %d process(es), rendezvous at %s:%d", world_size, addr, port)
-    context = mp.start_processes(worker, args=(args, world_size, addr, port),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    stopped: list[int] = []
+    context = mp.start_processes(worker, args=(args, env), nprocs=world_size, join=False,
+                                 start_method="spawn")
 
     def forward(signum: int, frame: object) -> None:
         # Each process finishes the step the ranks agree on, saves it and exits (a second
         # signal: at once), as under torchrun, which passes signals on the same way.
-        stopped.append(signum)
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
@@ -87,16 +81,13 @@ def launch(args: argparse.Namespace) -> None:
             while not context.join():
                 pass
     except mp.ProcessExitedException as exc:
-        if stopped:
-            sys.exit(128 + stopped[0])  # the processes said how to continue
-        if exc.exit_code == EXIT_USER_ERROR:  # the process already said what is wrong
-            sys.exit(EXIT_USER_ERROR)
+        # A user error (2) or a stop signal (128 + N): the process said what and how to go on.
+        if exc.exit_code == EXIT_USER_ERROR or exc.exit_code > 128:
+            sys.exit(exc.exit_code)
         how = f"signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
         log.error("error: process %d failed (%s); the others were stopped; %s.",
                   exc.error_index, how, rerun_hint(args.output_dir, args.resume))
         sys.exit(1)
-    if stopped:
-        sys.exit(128 + stopped[0])
 
 
 if __name__ == "__main__":

@@ -29,12 +29,10 @@ def claim_output_dir(out: Path) -> None:
     except OSError as exc:
         raise CheckpointError(f"cannot write to --output-dir {out} ({exc.strerror}); choose a "
                               "folder you can write to.") from None
-    try:
-        import fcntl  # POSIX; elsewhere (Windows) the run goes unlocked
-
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except ImportError:
+    if not hasattr(os, "lockf"):  # POSIX; elsewhere (Windows) the run goes unlocked
         return
+    try:
+        os.lockf(fd, os.F_TLOCK, 0)  # the whole file (from offset 0), or OSError if held
     except OSError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
@@ -78,28 +76,22 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     if resume_from and os.path.isfile(resume_from) and own.is_file() and os.path.samefile(
             resume_from, own):  # the same file, through a link too (runs/latest -> runs/a)
         return resume_from, weights  # this run goes on: nothing moves
-    found = [out / name for name in RUN_FILES if (out / name).exists()]
-    if not any(p.name in ("checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl")
-               for p in found):
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if not {"checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl"} & set(found):
         return resume_from, weights
     aside = out / "previous-runs" / time.strftime("%Y%m%d-%H%M%S")
     aside.mkdir(parents=True, exist_ok=True)
-    for path in found:
-        path.rename(aside / path.name)
+    for name in found:
+        (out / name).rename(aside / name)
     log.info("the earlier run's files in %s were moved to %s", out, aside)
-
-    def where_now(path: str | None) -> str | None:
-        if path is None:
-            return None
-        root, given = out.resolve(), Path(path)  # links: runs/latest -> runs/b, best.pth -> ...
-        # The file resolved, else its folders alone: a link that was itself among the files moved.
-        for full in (given.resolve(), given.absolute().parent.resolve() / given.name):
-            inside = full.relative_to(root).parts if full.is_relative_to(root) else ()
-            if inside and out / inside[0] in found:
-                return str(aside.joinpath(*inside))
-        return path
-
-    return where_now(resume_from), where_now(weights)
+    # After the move a path resolves (through links: runs/latest -> runs/b, best.pth -> ...) to
+    # where its file was; if that was among the files moved, it is now the same place in aside.
+    root, now = out.resolve(), []
+    for path in (resume_from, weights):
+        full = Path(path).resolve() if path else root
+        inside = full.relative_to(root).parts if full.is_relative_to(root) else ()
+        now.append(str(aside.joinpath(*inside)) if inside and inside[0] in found else path)
+    return now[0], now[1]
 
 
 def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:

@@ -104,7 +104,8 @@ def _cli(plain, *args: str | Path) -> subprocess.CompletedProcess:
 
 def test_predict_matches_direct_forward(run: dict) -> None:
     # batch_size=2 over 3 images also covers a last, partial batch.
-    preds = list(predict.predict(run["model"], run["images"], CLASSES, IMG_SIZE,
+    preprocess = predict.load_predictor(run["dir"] / "checkpoint.pth")[2]  # 64 px, recorded
+    preds = list(predict.predict(run["model"], run["images"], CLASSES, preprocess,
                                  torch.device("cpu"), top_k=5, batch_size=2))
 
     assert [p.path for p in preds] == run["images"]
