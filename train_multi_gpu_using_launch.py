@@ -28,19 +28,21 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from model import check_model, freeze_backbone, get_model, load_weights, weights_size
 from multi_train_utils.checkpoint import (load_checkpoint, load_model, recorded_defaults,
                                           restore, save_checkpoint, step_saves)
+from multi_train_utils.data import EpochProgress, ResumableSampler
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cleanup,
                                                  cpus_per_process, get_world_size,
                                                  init_distributed_mode, register_comm_hook,
                                                  run_on_main)
 from multi_train_utils.guard import ConfigError, guarded, stop_requests
+from multi_train_utils.heartbeat import Heartbeat
 from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
                                           resume_path, write_metrics)
 from multi_train_utils.recipe import (OPTIMIZERS, SCHEDULES, BatchMix, ModelEma, inert_flags,
                                       lr_schedule, make_optimizer, resolve_recipe)
 from multi_train_utils.strategy import STRATEGIES, check_strategy, shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
-                                               format_report, resolve_amp_dtype, train_one_epoch)
+from multi_train_utils.train_eval_utils import (LoopOptions, evaluate, format_report,
+                                               resolve_amp_dtype, train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
 from utils import (AUTO_AUGMENT, BoolFlag, HelpFormatter, augment_flags, default_demo_root,
                    epoch_record, get_transforms, imagenet_layout, log_epoch, make_demo_data,
@@ -116,6 +118,10 @@ def main(args: argparse.Namespace) -> None:
     if not fsdp:  # fsdp: shard_model puts each rank's shards there
         model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
     amp_dtype = resolve_amp_dtype(args.amp, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    loop = LoopOptions(amp_dtype=amp_dtype, channels_last=channels_last, scaler=scaler,
+                       grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
+                       label_smoothing=args.label_smoothing, print_freq=args.print_freq)
     model_without_ddp = model  # what is saved: no "module." prefix in the files
     if fsdp:  # each keeps 1/N, all-gathers a residual block at a time
         model = shard_model(model, device, mixed_precision=amp_dtype)  # in place, unwrapped
@@ -130,12 +136,10 @@ def main(args: argparse.Namespace) -> None:
     if args.eval_only:  # the model alone (--weights: loaded above); it needs no optimizer
         if ckpt_path:
             load_model(load_checkpoint(ckpt_path, args, classes), model_without_ddp)
-        log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
-                                        channels_last=channels_last), classes))
+        log.info(format_report(evaluate(model, val_loader, device, loop), classes))
         return cleanup()
 
     # 4. Optimizer and schedule: SGD on a cosine, or torchvision's recipe (--opt, ...: recipe.py).
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
     optimizer = make_optimizer(model_without_ddp, args, images_per_step)  # SGD by default
     scheduler = lr_schedule(optimizer, args)  # a LambdaLR, once per epoch
@@ -163,7 +167,7 @@ def main(args: argparse.Namespace) -> None:
 
     # 6. Epochs; the loss and accuracy are already reduced over all ranks. At a stop signal the
     # ranks agree on a step, save there and exit; the same command continues at that batch.
-    with stop_requests() as stop:
+    with stop_requests() as stop, Heartbeat(info) as heartbeat:  # names a rank that hangs
         for epoch in range(start_epoch, args.epochs):
             train_sampler.set_epoch(epoch, skip=progress.samples, indices=progress.indices)
             train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
@@ -171,20 +175,18 @@ def main(args: argparse.Namespace) -> None:
                      "classes": classes, "args": run_args(args, info, images_per_step),
                      "metrics": history, "file_list": progress.file_list or scan.digest}
             save = partial(save_checkpoint, out, model_without_ddp, optimizer, scaler, state,
-                           ema=ema)
+                           ema=ema, heartbeat=heartbeat)
             t0 = time.perf_counter()
             train_loss = train_one_epoch(
-                model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
-                grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
-                print_freq=args.print_freq, channels_last=channels_last, progress=progress,
-                after_step=step_saves(stop, save, every=args.save_every_steps),
-                label_smoothing=args.label_smoothing, mix=mix, ema=ema)
+                model, optimizer, train_loader, device, epoch, loop, progress=progress,
+                after_step=step_saves(stop, save, every=args.save_every_steps), mix=mix, ema=ema,
+                heartbeat=heartbeat)
             if progress.stopped:  # saved at the step every rank stopped after
                 stop.stop()
             train_seconds, lr = time.perf_counter() - t0, optimizer.param_groups[0]["lr"]
             scheduler.step()
             result, ema_result = (None if m is None else evaluate(
-                m, val_loader, device, amp_dtype=amp_dtype, channels_last=channels_last)
+                m, val_loader, device, loop, heartbeat=heartbeat)
                 for m in (model, ema))  # --model-ema: the average's figures too
             images = len(train_loader) * args.batch_size * info.world_size
             record = epoch_record(epoch, train_loss, result, lr, time.perf_counter() - t0,

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .data import EpochProgress
 from .distributed_utils import (all_gather_object, all_ranks_ok, get_rank, get_world_size,
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
-from .heartbeat import HEARTBEAT
+from .heartbeat import Heartbeat
 from .strategy import is_sharded, load_shards, read_shards, save_shards
-from .train_eval_utils import EpochProgress
 
 log = logging.getLogger("train")
 # A continued run compares every flag the checkpoint recorded with its own (the table is in
@@ -356,7 +356,8 @@ def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimize
                     scaler: torch.amp.GradScaler, state: dict[str, Any], *,
                     record: dict[str, Any] | None = None, is_best: bool = False,
                     keep_last: int = 0, progress: EpochProgress | None = None,
-                    final: bool = False, ema: nn.Module | None = None) -> None:
+                    final: bool = False, ema: nn.Module | None = None,
+                    heartbeat: Heartbeat | None = None) -> None:
     """Every rank calls it; rank 0 writes ``state`` (epoch, metrics, ...) with the model and
     optimizer state, every rank's RNG state and (``progress``) where the epoch stands. At an
     epoch's end (``record``: its metrics line) also the epoch's weights, the best model and the
@@ -365,7 +366,8 @@ def save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimize
     folder every rank can see), which ``checkpoint.pth`` names. ``--keep-last`` K keeps the newest
     K epochs' weights or shards; the ``final`` FSDP save also exports the weights. ``ema``
     (the same on every rank) is saved whole, and exported as ``weights/model_ema-N.pth``."""
-    HEARTBEAT.at("saving")
+    if heartbeat is not None:
+        heartbeat.at("saving")
     with signals_deferred():
         if is_sharded(model):
             tag = f"epoch-{state['epoch']}" + (f"-step-{progress.batches}" if progress else "")
