@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from model import get_model
 from multi_train_utils.distributed_utils import register_comm_hook
-from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.heartbeat import Heartbeat
+from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import LoopOptions, resolve_amp_dtype, train_one_epoch
 
 

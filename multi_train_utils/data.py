@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 
 @dataclass
 class EpochProgress:
-    """How far an epoch got, kept up to date by :func:`train_one_epoch`; saved mid-epoch, it
+    """How far an epoch got, kept up to date by ``train_one_epoch``; saved mid-epoch, it
     lets a rerun continue at that batch (:class:`ResumableSampler` deals the rest). ``loss`` is
     this rank's ``(loss sum, sample count)``."""
 

@@ -235,8 +235,8 @@ class _EpochLog:
         rank), and in the same all-reduce each rank's own work (loading its batches): the
         slowest, named."""
         work = totals.new_zeros(get_world_size())  # float64, beside the totals
-        beat = self.heartbeat
-        work[get_rank()], seconds = beat.own_work() if beat is not None else (0.0, 0.0)
+        heartbeat = self.heartbeat
+        work[get_rank()], seconds = heartbeat.own_work() if heartbeat is not None else (0.0, 0.0)
         loss_sum, count, *work = reduce_value(torch.cat([totals, work]), average=False).tolist()
         mean_loss = loss_sum / count if count else float("nan")
         if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
