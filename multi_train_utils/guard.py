@@ -251,11 +251,11 @@ def guarded(main: Callable[[Any], None], args: Any,
                       say=rank == 0, rank=rank)
             if not _is_run_failure(exc):
                 raise
-            # A collective that failed: the ranks that did not come, and where they were (the
-            # heartbeat.Heartbeat block it left attached them).
+            # A collective that failed: the ranks that did not come, and where they were, asked
+            # of the heartbeat.Heartbeat block the error left.
             own = isinstance(exc, (OSError, FloatingPointError)) or "DataLoader" in str(exc)
-            missing = "" if own else getattr(exc, "missing_ranks", "")
-            cause = missing or f"{_first_line(exc)} ({type(exc).__name__})"
+            missing = None if own else getattr(exc, "missing_ranks", None)
+            cause = missing and missing() or f"{_first_line(exc)} ({type(exc).__name__})"
             _stop(1, f"error: {cause}; {rerun_hint()}.", say=True, rank=rank)
         finally:
             # Free main's locals (the DDP model) while the process group lives: left to the

@@ -34,9 +34,9 @@ STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its
 
 
 class Heartbeat:
-    """A context manager: in the block a thread beats, and a ``RuntimeError`` (a failed
-    collective among them) that leaves it carries ``missing_ranks``, the ranks that did not come
-    and where each was ("" if none is known): :func:`guard.guarded` says them."""
+    """A context manager: in the block a thread beats, and an error that leaves it carries
+    ``missing_ranks``, this heartbeat's :meth:`missing`, which :func:`guard.guarded` calls for a
+    failed collective."""
 
     def __init__(self, info: DistInfo) -> None:
         # limits: seconds a collective waits after a slow phase, and else.
@@ -59,9 +59,8 @@ class Heartbeat:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  traceback: Any) -> None:
         self._stop.set()
-        if isinstance(exc, RuntimeError) and self.store is not None:
-            exc.missing_ranks = self.missing()
-        self.store = None
+        if isinstance(exc, Exception):
+            exc.missing_ranks = self.missing
 
     def at(self, phase: str, **where: Any) -> None:
         """This rank is in ``phase`` now, at ``where`` (epoch, step, steps)."""

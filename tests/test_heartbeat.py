@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -156,8 +157,16 @@ def test_the_ranks_named_the_time_limits_and_the_slowest(monkeypatch):
             "for 30 s")
         assert beat.store.timeout == datetime.timedelta(seconds=600)  # given back
         raise failed
-    assert raised.value is failed and failed.missing_ranks.startswith("rank 1 (host node1, ")
-    assert beat.store is None and beat._stop.is_set()  # the thread ends with the block
+    assert raised.value is failed and failed.missing_ranks().startswith("rank 1 (host node1, ")
+    assert beat._stop.is_set()  # the thread ends with the block
     assert slowest([1.0, 1.1, 3.3, 0.9], 10).startswith("rank 2 is the slowest: 3.3x the median")
     assert slowest([1.0, 1.9], 10) == "" and slowest([0.0], 10) == ""
     assert slowest([0.01, 0.04], 1) == ""  # 4x, but 30 ms of a second: a step's noise
+
+
+def test_without_a_process_group_the_heartbeat_starts_nothing():
+    """One process (no group): the block starts no thread and ``at`` records nothing."""
+    threads = threading.active_count()
+    with Heartbeat(DistInfo()) as beat:
+        beat.at("forward", epoch=0, step=1, steps=2)
+        assert beat.store is None and beat.place == {} and threading.active_count() == threads
