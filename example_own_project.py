@@ -20,10 +20,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, TrainState,
                                           step_saves)
+from multi_train_utils.data import EpochProgress, ResumableSampler
 from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, is_main_process
 from multi_train_utils.guard import guarded, stop_requests
-from multi_train_utils.train_eval_utils import (EpochProgress, ResumableSampler, evaluate,
-                                                train_one_epoch)
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
 
 def make_dataset(size: int, seed: int) -> TensorDataset:

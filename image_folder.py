@@ -20,7 +20,7 @@ import torch
 
 from multi_train_utils.distributed_utils import run_on_main
 from multi_train_utils.guard import UserError
-from multi_train_utils.train_eval_utils import EpochProgress
+from multi_train_utils.data import EpochProgress
 from my_dataset import check_image, printable_path
 from run_log import plot_class_distribution, write_json_atomic
 

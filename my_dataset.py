@@ -20,7 +20,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from multi_train_utils.distributed_utils import cpus_per_process
-from multi_train_utils.guard import ignore_stop_signals
+from multi_train_utils.guard import workers_ignore_stop_signals
 from multi_train_utils.train_eval_utils import IGNORE_INDEX
 
 try:  # torchvision's successor: torchvision 0.29 deprecates its decoders in its favour
@@ -258,5 +258,5 @@ def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
                                   generator=torch.Generator().manual_seed(torch.initial_seed()))
     if workers > 0:  # DataLoader refuses these without workers
         kwargs.update(persistent_workers=True, prefetch_factor=PREFETCH_FACTOR,
-                      timeout=LOADER_TIMEOUT_S, worker_init_fn=ignore_stop_signals)
+                      timeout=LOADER_TIMEOUT_S, worker_init_fn=workers_ignore_stop_signals())
     return kwargs

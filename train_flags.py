@@ -15,11 +15,13 @@ from image_folder import imagenet_layout
 from model import check_model, weights_size
 from multi_train_utils.checkpoint import compare_flags
 from multi_train_utils.checkpoint_io import CheckpointError, load_file
-from multi_train_utils.distributed_utils import COMM_HOOKS, DistInfo, get_rank, get_world_size
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, get_rank, get_world_size,
+                                                 run_on_main)
 from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import OPTIMIZERS, SCHEDULES, resolve_recipe
-from multi_train_utils.run_folder import resume_path
+from multi_train_utils.run_folder import claim_output_dir, move_earlier_run, resume_path
 from multi_train_utils.strategy import STRATEGIES, check_strategy
+from multi_train_utils.train_eval_utils import LoopOptions
 
 log = logging.getLogger("train")
 
@@ -72,6 +74,43 @@ def check_args(args: argparse.Namespace, world_size: int
     check_strategy(args.strategy, world_size, compile=args.compile, comm_hook=args.comm_hook,
                    model_ema=args.model_ema)
     return args, defaults
+
+
+def prepare_run(args: argparse.Namespace, defaults: dict[str, Any]
+                ) -> tuple[str | None, str | None]:
+    """The checkpoint this run continues and its --weights file; ``args`` completed with the
+    flags a continued run takes from its run (:func:`run_flags`, asked of rank 0). A run that
+    trains claims --output-dir, and a new one moves an earlier run's files aside: the two paths
+    are given where they are then."""
+    out, weights = Path(args.output_dir), args.weights
+    ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
+    vars(args).update(run_on_main(run_flags, args, ckpt_path or weights, defaults))
+    if args.eval_only:  # then the folder is only read
+        return ckpt_path, weights
+    run_on_main(claim_output_dir, out)
+    return run_on_main(move_earlier_run, out, ckpt_path, weights)
+
+
+def check_data(args: argparse.Namespace, root: str, classes: list[str], train_loader: Any,
+               world_size: int) -> None:
+    """The data against the flags: the class folders decide the classes, and every process needs
+    a batch."""
+    if args.num_classes not in (None, len(classes)):
+        raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} class "
+                          "folders; drop the flag, or give the folder those classes.")
+    if len(train_loader) == 0 and not args.eval_only:
+        raise ConfigError(f"{len(train_loader.dataset)} training images make no batch of "
+                          f"{args.batch_size} for each of {world_size} process(es); lower "
+                          "--batch-size.")
+
+
+def loop_options(args: argparse.Namespace, device: Any, amp_dtype: Any, scaler: Any
+                 ) -> LoopOptions:
+    """The flags as the loops' options; NHWC by default on CUDA."""
+    channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
+    return LoopOptions(amp_dtype=amp_dtype, channels_last=channels_last, scaler=scaler,
+                       grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
+                       label_smoothing=args.label_smoothing, print_freq=args.print_freq)
 
 
 def optimizer_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:

@@ -29,20 +29,22 @@ from image_folder import scan_image_folder, split_train_val, write_scan_files
 from model import freeze_backbone, get_model, load_weights
 from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
                                           TrainState, step_saves)
+from multi_train_utils.data import ResumableSampler
 from multi_train_utils.distributed_utils import (cleanup, cpus_per_process, init_distributed_mode,
                                                  register_comm_hook, run_on_main)
-from multi_train_utils.guard import ConfigError, guarded, stop_requests
+from multi_train_utils.guard import guarded, stop_requests
+from multi_train_utils.heartbeat import Heartbeat
 from multi_train_utils.recipe import BatchMix, ModelEma, inert_flags, lr_schedule, make_optimizer
-from multi_train_utils.run_folder import (claim_output_dir, move_earlier_run, rerun_hint,
-                                          resume_path, write_metrics)
+from multi_train_utils.run_folder import rerun_hint, write_metrics
 from multi_train_utils.strategy import shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import (ResumableSampler, evaluate, format_report,
-                                                resolve_amp_dtype, train_one_epoch)
+from multi_train_utils.train_eval_utils import (evaluate, format_report, resolve_amp_dtype,
+                                                train_one_epoch)
 from my_dataset import MyDataSet, default_workers, loader_kwargs
 from run_log import epoch_record, log_epoch, tensorboard_writer, write_json_atomic
-from train_flags import (augment_kwargs, check_args, continued_run, ema_kwargs, get_args_parser,
-                         optimizer_kwargs, run_args, run_flags, schedule_kwargs)
+from train_flags import (augment_kwargs, check_args, check_data, continued_run, ema_kwargs,
+                         get_args_parser, loop_options, optimizer_kwargs, prepare_run, run_args,
+                         schedule_kwargs)
 
 log = logging.getLogger("train")
 
@@ -51,28 +53,20 @@ def main(args: argparse.Namespace) -> None:
     # 1. Processes: torchrun/srun/spawn tell each process its rank; NCCL on GPUs, gloo on CPU.
     info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
                                  timeout_s=args.dist_timeout, trace_dir=args.output_dir)
-    args, defaults = check_args(args, info.world_size)  # a copy, completed; the run's defaults
-    device, out, weights = info.device, Path(args.output_dir), args.weights
+    args, defaults = check_args(args, info.world_size)  # a copy, completed: train_flags.py
+    device, out = info.device, Path(args.output_dir)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpus_per_process())  # N processes x all cores would oversubscribe
     torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN pick its fastest kernels
-    ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
-    vars(args).update(run_on_main(run_flags, args, ckpt_path or weights, defaults))  # checked
-    if not args.eval_only:  # then one run per folder: a fresh start moves an earlier run aside
-        run_on_main(claim_output_dir, out)
-        ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
+    ckpt_path, weights = prepare_run(args, defaults)  # to continue; an earlier run moved aside
 
     # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
     root = args.data_path or (args.eval_only and args.val_path) or str(make_demo_data(
         args.demo_dir or default_demo_root()))  # --eval-only --val-path: that folder alone
     scan = run_on_main(scan_image_folder, root, verify=args.verify_images, reuse=out).rebased(root)
-    classes = scan.classes
-    if args.num_classes not in (None, len(classes)):  # the class folders decide; say a mismatch
-        raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} class "
-                          "folders; drop the flag, or give the folder those classes.")
-    val_scan = (run_on_main(scan_image_folder, args.val_path, verify=args.verify_images,
-                            min_classes=1).rebased(args.val_path) if args.val_path else None)
+    val_scan = args.val_path and run_on_main(scan_image_folder, args.val_path, min_classes=1,
+                                             verify=args.verify_images).rebased(args.val_path)
     # A file's side depends only on its name and --seed: stable as the folder grows.
     train_paths, train_labels, val_paths, val_labels = split_train_val(
         scan, args.val_rate, args.seed, val_scan=val_scan)  # --val-path: all of the rest trains
@@ -92,25 +86,25 @@ def main(args: argparse.Namespace) -> None:
     kwargs = loader_kwargs(workers, device)  # workers, pinned memory, timeout: my_dataset.py
     train_loader = DataLoader(train_set, batch_sampler=train_batch_sampler, **kwargs)
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler, **kwargs)
-    if len(train_loader) == 0 and not args.eval_only:
-        raise ConfigError(f"{len(train_set)} training images make no batch of {args.batch_size} "
-                          f"for each of {info.world_size} process(es); lower --batch-size.")
+    check_data(args, root, scan.classes, train_loader, info.world_size)  # --num-classes, a batch
 
     # 3. Model. Only rank 0 reads --weights: DDP copies its weights when it wraps, and under
     # fsdp the others build on the meta device (no memory), their shards filled from rank 0's.
     fsdp = info.world_size > 1 and args.strategy == "fsdp"
     with torch.device("meta" if fsdp and info.rank > 0 else "cpu"):
-        model = get_model(args.model, num_classes=len(classes), img_size=args.img_size)
+        model = get_model(args.model, num_classes=len(scan.classes), img_size=args.img_size)
     if weights and ckpt_path is None:
         run_on_main(load_weights, model, weights, args.model, strict=args.eval_only)
     if args.freeze_layers:
         freeze_backbone(model)  # only the classifier trains; BatchNorm statistics as loaded
     if args.sync_bn and info.distributed:
         model = convert_sync_batchnorm(model, device)  # over the global batch; ours on CPU
-    channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
+    amp_dtype = resolve_amp_dtype(args.amp, device)  # bf16 where the GPU has it, else fp16
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    loop = loop_options(args, device, amp_dtype, scaler)  # precision, NHWC, clipping, logging
     if not fsdp:  # fsdp: shard_model puts each rank's shards there
-        model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
-    amp_dtype = resolve_amp_dtype(args.amp, device)
+        model.to(device, memory_format=torch.channels_last if loop.channels_last else
+                 torch.preserve_format)
     model_without_ddp = model  # what is saved: no "module." prefix in the files
     if fsdp:  # each keeps 1/N, all-gathers a residual block at a time
         model = shard_model(model, device, mixed_precision=amp_dtype)  # in place, unwrapped
@@ -122,27 +116,28 @@ def main(args: argparse.Namespace) -> None:
         register_comm_hook(model, args.comm_hook)
     if args.compile:
         model = torch.compile(model)
-    check = partial(continued_run, path=ckpt_path, classes=classes)  # and flags, if it trains
+    check = partial(continued_run, path=ckpt_path, classes=scan.classes)  # + flags, to train
     if args.eval_only:  # the model alone (--weights: loaded above); it needs no optimizer
         if ckpt_path:
             Checkpointer(out, {"model": ModelState(model_without_ddp)}).load(ckpt_path, check)
-        log.info(format_report(evaluate(model, val_loader, device, amp_dtype=amp_dtype,
-                                        channels_last=channels_last), classes))
+        log.info(format_report(evaluate(model, val_loader, device, loop), scan.classes))
         return cleanup()
 
-    # 4. Optimizer: SGD by default, or torchvision's recipe (--opt, ...: recipe.py).
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    # 4. Optimizer: SGD by default, or torchvision's recipe (--opt, ...: recipe.py). Its lr is
+    # --lr x the images per step / --batch-size (linear scaling: train_flags.optimizer_kwargs).
     images_per_step = info.world_size * args.batch_size * args.grad_accum_steps
     optimizer = make_optimizer(model_without_ddp, **optimizer_kwargs(args, images_per_step))
     ema = ModelEma.create(model_without_ddp, **ema_kwargs(args, images_per_step))  # --model-ema
-    mix = BatchMix.create(len(classes), args.mixup_alpha, args.cutmix_alpha, seed=args.seed)
+    mix = BatchMix.create(len(scan.classes), args.mixup_alpha, args.cutmix_alpha, seed=args.seed)
 
     # 5. Resume: each resumable part registered once; loading and saving are one call each.
-    train = TrainState(classes, run_args(args, info, images_per_step), file_list=scan.digest)
+    train = TrainState(scan.classes, run_args(args, info, images_per_step), file_list=scan.digest)
+    heartbeat = Heartbeat(info)  # in the epochs' block: names a rank that hangs
     checkpointer = Checkpointer(out, {
         "model": ModelState(model_without_ddp),
         "optimizer": OptimizerState(model_without_ddp, optimizer), "scaler": scaler,
-        "model_ema": ema, "rng_states": RNGState(), "train": train}, keep_last=args.keep_last)
+        "model_ema": ema, "rng_states": RNGState(), "train": train},
+        keep_last=args.keep_last, heartbeat=heartbeat)
     if ckpt_path:
         checkpointer.load(ckpt_path, partial(check, flags=train.flags, lr=optimizer.param_groups[
             0]["lr"], inert=inert_flags(model_without_ddp)))
@@ -162,26 +157,22 @@ def main(args: argparse.Namespace) -> None:
 
     # 6. Epochs; the loss and accuracy are already reduced over all ranks. At a stop signal the
     # ranks agree on a step, save there and exit; the same command continues at that batch.
-    with stop_requests() as stop:
+    with stop_requests() as stop, heartbeat:
         for epoch in range(train.epoch, args.epochs):
-            train.epoch = epoch
+            train.epoch, t0 = epoch, time.perf_counter()
             train_sampler.set_epoch(epoch, skip=train.progress.samples,
                                     indices=train.progress.indices)
             train_set.set_epoch(epoch)  # augmentation drawn from (seed, epoch, image): resumable
-            t0 = time.perf_counter()
             train_loss = train_one_epoch(
-                model, optimizer, train_loader, device, epoch, scaler=scaler, amp_dtype=amp_dtype,
-                grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
-                print_freq=args.print_freq, channels_last=channels_last, progress=train.progress,
+                model, optimizer, train_loader, device, epoch, loop, progress=train.progress,
                 after_step=step_saves(stop, checkpointer.save, every=args.save_every_steps),
-                label_smoothing=args.label_smoothing, mix=mix, ema=ema)
+                mix=mix, ema=ema, heartbeat=heartbeat)
             if train.progress.stopped:  # saved at the step every rank stopped after
                 stop.stop()
             train_seconds, lr = time.perf_counter() - t0, optimizer.param_groups[0]["lr"]
             scheduler.step()
             result, ema_result = (None if m is None else evaluate(
-                m, val_loader, device, amp_dtype=amp_dtype, channels_last=channels_last)
-                for m in (model, ema))  # --model-ema: the average's figures too
+                m, val_loader, device, loop, heartbeat=heartbeat) for m in (model, ema))
             images = len(train_loader) * args.batch_size * info.world_size
             record = epoch_record(epoch, train_loss, result, lr, time.perf_counter() - t0,
                                   images_per_sec=images / train_seconds, ema=ema_result)

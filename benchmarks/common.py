@@ -22,8 +22,9 @@ import torch.nn as nn
 
 from model import get_model
 from multi_train_utils.distributed_utils import register_comm_hook
+from multi_train_utils.heartbeat import Heartbeat
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import resolve_amp_dtype, train_one_epoch
+from multi_train_utils.train_eval_utils import LoopOptions, resolve_amp_dtype, train_one_epoch
 
 
 # ---------------------------------------------------------------- timing
@@ -120,7 +121,8 @@ def synthetic_batches(args: argparse.Namespace, count: int, seed: int, pin: bool
 def quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
                           device: torch.device, args: argparse.Namespace,
                           scaler: torch.amp.GradScaler, grad_accum_steps: int = 1,
-                          after_step: Callable[..., bool] | None = None) -> float:
+                          after_step: Callable[..., bool] | None = None,
+                          heartbeat: Heartbeat | None = None) -> float:
     """``train_one_epoch`` with its defaults; its progress (a bar in a terminal, log lines
     elsewhere) goes nowhere. ``batches``: any iterable of ``(uint8 images, labels)``."""
     progress_log = logging.getLogger("multi_train_utils.train_eval_utils")
@@ -128,10 +130,10 @@ def quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, ba
     progress_log.setLevel(logging.WARNING)
     try:
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-            return train_one_epoch(model, optimizer, batches, device, 0,
-                                   scaler=scaler if scaler.is_enabled() else None,
-                                   amp_dtype=amp_dtype(args, device),
-                                   channels_last=channels_last(args, device),
-                                   grad_accum_steps=grad_accum_steps, after_step=after_step)
+            options = LoopOptions(amp_dtype=amp_dtype(args, device), scaler=scaler,
+                                  channels_last=channels_last(args, device),
+                                  grad_accum_steps=grad_accum_steps)
+            return train_one_epoch(model, optimizer, batches, device, 0, options,
+                                   after_step=after_step, heartbeat=heartbeat)
     finally:
         progress_log.setLevel(level)

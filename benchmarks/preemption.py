@@ -7,7 +7,7 @@
   ``--save-every-steps``): seconds from every rank entering it to every rank leaving it, and
   the size of ``checkpoint.pth``. A stopped run exits at most one step plus this after the
   signal (one step more under NCCL, where the poll's answer is a step old);
-- the heartbeat (``multi_train_utils.heartbeat``: three ``HEARTBEAT.at`` calls a step, a
+- the heartbeat (``multi_train_utils.heartbeat``: three ``heartbeat.at`` calls a step, a
   thread writing to the store once a second) against without it, in the same alternation; and,
   as this ratio drowns in the noise of a shared machine, its two parts timed alone: the ``at``
   calls (microseconds a step) and one write of the thread (microseconds a second).
@@ -18,6 +18,7 @@ The ranks are spawned: each imports this module (and ``common``), not ``__main__
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -31,10 +32,10 @@ import torch.multiprocessing as mp
 
 from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
                                           TrainState)
+from multi_train_utils.data import EpochProgress
 from multi_train_utils.distributed_utils import cleanup, find_free_port, init_distributed_mode
 from multi_train_utils.guard import stop_requests
-from multi_train_utils.heartbeat import HEARTBEAT
-from multi_train_utils.train_eval_utils import EpochProgress
+from multi_train_utils.heartbeat import Heartbeat
 
 from .common import build, quiet_train_one_epoch, synthetic_batches
 from .report import row, spread
@@ -59,32 +60,29 @@ def preemption_worker(local_rank: int, args: argparse.Namespace, nprocs: int, po
                                     pin=device.type == "cuda")
         quiet_train_one_epoch(model, optimizer, batches[:args.warmup_steps], device, args, scaler)
         seconds: dict[str, list[float]] = {"without": [], "with": [], "heartbeat": []}
-        limits = HEARTBEAT.limits
         with stop_requests() as stop:
             for repeat in range(args.repeats):
                 order = ("without", "with", "heartbeat")
                 for name in order if repeat % 2 == 0 else order[::-1]:
-                    HEARTBEAT.stop()
-                    if name == "heartbeat":
-                        HEARTBEAT.start(info.rank, info.world_size, limits)
-                    barrier(info)
-                    start = time.perf_counter()
-                    quiet_train_one_epoch(model, optimizer, batches, device, args, scaler,
-                                          after_step=(lambda p: stop.poll()) if name == "with"
-                                          else None)
-                    seconds[name].append(time.perf_counter() - start)
+                    beat = Heartbeat(info) if name == "heartbeat" else contextlib.nullcontext()
+                    with beat as heartbeat:
+                        barrier(info)
+                        start = time.perf_counter()
+                        quiet_train_one_epoch(
+                            model, optimizer, batches, device, args, scaler, heartbeat=heartbeat,
+                            after_step=(lambda p: stop.poll()) if name == "with" else None)
+                        seconds[name].append(time.perf_counter() - start)
         calls = 10_000  # the loop's part alone: three calls a step
-        HEARTBEAT.start(info.rank, info.world_size, limits)
-        start = time.perf_counter()
-        for step in range(calls):
-            HEARTBEAT.at("forward", step=step)
-        at_us = 1e6 * (time.perf_counter() - start) / calls
-        store, record = HEARTBEAT.store, json.dumps({**HEARTBEAT.place, "beat": time.time()})
-        start = time.perf_counter()
-        for _ in range(100):  # what the thread does once a second
-            store.set(f"heartbeat/{info.rank}", json.dumps(json.loads(record)))
-        write_us = 1e6 * (time.perf_counter() - start) / 100
-        HEARTBEAT.stop()
+        with Heartbeat(info) as heartbeat:
+            start = time.perf_counter()
+            for step in range(calls):
+                heartbeat.at("forward", step=step)
+            at_us = 1e6 * (time.perf_counter() - start) / calls
+            store, record = heartbeat.store, json.dumps({**heartbeat.place, "beat": time.time()})
+            start = time.perf_counter()
+            for _ in range(100):  # what the thread does once a second
+                store.set(f"heartbeat/{info.rank}", json.dumps(json.loads(record)))
+            write_us = 1e6 * (time.perf_counter() - start) / 100
         out = Path(result_dir)
         progress = EpochProgress(batches=args.steps, samples=args.steps * args.batch_size,
                                  batches_in_epoch=2 * args.steps)

@@ -42,7 +42,7 @@ from .distributed_utils import (all_gather_object, all_ranks_ok, get_rank, get_w
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
 from .strategy import is_sharded, load_shards, save_shards
-from .train_eval_utils import EpochProgress
+from .data import EpochProgress
 
 log = logging.getLogger("train")
 TRAIN = "train"  # the part whose fields are the file's top-level keys

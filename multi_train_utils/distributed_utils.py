@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from .guard import UserError, stop_signals_to
-from .heartbeat import HEARTBEAT
 
 # Seconds a collective waits for a peer: start-up (a slow rank may still list its data), an
 # evaluation, a save and the step after it; any other step (docs/errors-and-troubleshooting.md).
@@ -45,6 +44,7 @@ class DistInfo:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     backend: str | None = None
+    timeouts: tuple[float, float] = LIMITS_S  # a collective's limit after a slow phase, and else
 
     @property
     def distributed(self) -> bool:  # a launcher's group of one counts: DDP needs the group
@@ -125,65 +125,50 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"start{start}-world{world}", store)
 
 
-def init_distributed_mode(args: Any = None, *, device: str = "auto", dist_url: str = "env://",
+def init_distributed_mode(*, device: str | torch.device = "auto", dist_url: str = "env://",
                           timeout_s: float | None = None, trace_dir: str | None = None
                           ) -> DistInfo:
     """Create the default process group if a launcher started us; return where we are.
     ``device``: ``auto`` (the local rank's GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` (one
     process); NCCL on CUDA, gloo on CPU. ``timeout_s`` bounds every collective (a dead peer is an
-    error, not a hang; None: :data:`LIMITS_S`); NCCL's flight recorder dumps into ``trace_dir``
-    on a timeout; :mod:`.heartbeat` starts. As in the classic template, ``init_distributed_mode(
-    args)`` reads ``args.device``/``dist_url``/``dist_timeout`` and sets ``args.rank``,
-    ``world_size``, ``gpu``, ``distributed``, ``dist_backend``."""
-    if args is not None:
-        device = getattr(args, "device", None) or device
-        dist_url = getattr(args, "dist_url", None) or dist_url
-        timeout_s = getattr(args, "dist_timeout", None) or timeout_s
+    error, not a hang; None: :data:`LIMITS_S`, which a :class:`~.heartbeat.Heartbeat` applies by
+    phase); NCCL's flight recorder dumps into ``trace_dir`` on a timeout."""
     env = _read_env()
     rank, local_rank, world_size = env or (0, 0, 1)
-    # str().lower(): classic scripts may hold torch.device("cpu") or "CPU" in args.device.
+    # str().lower(): a classic script's args.device may hold torch.device("cpu") or "CPU".
     dev = pick_device(str(device).lower(), local_rank, launched=env is not None)
+    limits = (timeout_s, timeout_s) if timeout_s else LIMITS_S
     if is_dist_avail_and_initialized():  # a second call: describe the group there is
-        info = DistInfo(get_rank(), local_rank, get_world_size(), dev, dist.get_backend())
-    elif env is None:
-        info = DistInfo(device=dev)
-    else:
-        if dist_url == "env://" and not (os.environ.get("MASTER_ADDR")
-                                         and _env_int("MASTER_PORT", 0)):
-            raise LaunchError("RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not; "
-                              "start the processes with torchrun.")
-        elif dist_url != "env://" and not re.fullmatch(r"tcp://[^/]+:[0-9]{1,5}", dist_url):
-            raise LaunchError(f"--dist-url {dist_url!r} is not 'env://' or 'tcp://HOST:PORT'.")
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        limits = (timeout_s, timeout_s) if timeout_s else LIMITS_S
-        timeout = datetime.timedelta(seconds=limits[0])
-        # PyTorch's flight recorder: each rank's last collectives, dumped on a timeout, unless
-        # set up already (TORCH_FR_*, or the older TORCH_NCCL_TRACE_BUFFER_SIZE and kin).
-        set_up = any(re.match(r"TORCH_(FR|NCCL_(TRACE|DUMP|DEBUG_INFO))_", k) for k in os.environ)
-        if backend == "nccl" and trace_dir and not set_up:
-            os.makedirs(trace := os.path.join(trace_dir, "flight_recorder"), exist_ok=True)
-            os.environ.update(TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1",
-                              TORCH_FR_DUMP_TEMP_FILE=os.path.join(trace, "rank_"))
-        # The rendezvous waits in C++, where Python's handlers would run only at its timeout,
-        # if the peers never come: a stop signal ends it at once (nothing is written yet).
-        with stop_signals_to(signal.SIG_DFL):
-            store = _elastic_store(timeout) if dist_url == "env://" else None
-            # device_id: NCCL connects now, so a set-up it refuses fails here, not later.
-            dist.init_process_group(backend, init_method=None if store else dist_url,
-                                    store=store, rank=rank, world_size=world_size,
-                                    timeout=timeout, device_id=dev if dev.type == "cuda" else None)
-        info = DistInfo(rank, local_rank, world_size, dev, backend)
-        HEARTBEAT.start(rank, world_size, limits)
-    if args is not None:
-        args.rank, args.world_size, args.dist_backend = info.rank, info.world_size, info.backend
-        args.gpu = dev.index if dev.type == "cuda" else local_rank
-        args.distributed = is_dist_avail_and_initialized()
-    return info
+        return DistInfo(get_rank(), local_rank, get_world_size(), dev, dist.get_backend(), limits)
+    if env is None:
+        return DistInfo(device=dev, timeouts=limits)
+    if dist_url == "env://" and not (os.environ.get("MASTER_ADDR") and _env_int("MASTER_PORT", 0)):
+        raise LaunchError("RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not; "
+                          "start the processes with torchrun.")
+    if dist_url != "env://" and not re.fullmatch(r"tcp://[^/]+:[0-9]{1,5}", dist_url):
+        raise LaunchError(f"--dist-url {dist_url!r} is not 'env://' or 'tcp://HOST:PORT'.")
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=limits[0])
+    # PyTorch's flight recorder: each rank's last collectives, dumped on a timeout, unless
+    # set up already (TORCH_FR_*, or the older TORCH_NCCL_TRACE_BUFFER_SIZE and kin).
+    set_up = any(re.match(r"TORCH_(FR|NCCL_(TRACE|DUMP|DEBUG_INFO))_", k) for k in os.environ)
+    if backend == "nccl" and trace_dir and not set_up:
+        os.makedirs(trace := os.path.join(trace_dir, "flight_recorder"), exist_ok=True)
+        os.environ.update(TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+                          TORCH_FR_DUMP_TEMP_FILE=os.path.join(trace, "rank_"))
+    # The rendezvous waits in C++, where Python's handlers would run only at its timeout,
+    # if the peers never come: a stop signal ends it at once (nothing is written yet).
+    with stop_signals_to(signal.SIG_DFL):
+        store = _elastic_store(timeout) if dist_url == "env://" else None
+        # device_id: NCCL connects now, so a set-up it refuses fails here, not later.
+        dist.init_process_group(backend, init_method=None if store else dist_url,
+                                store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+    return DistInfo(rank, local_rank, world_size, dev, backend, limits)
 
 
 def cleanup() -> None:
     """Destroy the default process group if there is one (safe to call twice)."""
-    HEARTBEAT.stop()
     if is_dist_avail_and_initialized():
         dist.destroy_process_group()
         # Garbage cycles from DDP's backward hold gloo work; freed at interpreter shutdown, they

@@ -19,7 +19,7 @@ import contextlib
 import gc
 import logging
 import multiprocessing
-import multiprocessing.util  # its exit hook first: ours (registered after it) runs before it
+import multiprocessing.util  # its exit hook first: ours (registered later) runs before it
 import os
 import signal
 import sys
@@ -29,8 +29,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-
-from .heartbeat import HEARTBEAT
 
 log = logging.getLogger("train")
 EXIT_USER_ERROR = 2
@@ -98,15 +96,20 @@ def signals_deferred() -> Iterator[None]:
         signal.raise_signal(signum)
 
 
-def ignore_stop_signals(worker_id: int = 0) -> None:
-    """A DataLoader ``worker_init_fn``: the workers ignore stop signals (a terminal's Ctrl-C and
-    SLURM reach every process) and keep delivering the batches of the steps before the stop;
-    they end when their training process does (:func:`_end_loader_workers`)."""
+def workers_ignore_stop_signals() -> Callable[[int], None]:
+    """A DataLoader ``worker_init_fn`` for this process's loaders: the workers ignore stop
+    signals (a terminal's Ctrl-C and SLURM reach every process) and keep delivering the batches
+    of the steps before the stop; they end when this process does, as this call makes sure."""
+    atexit.unregister(_end_loader_workers)  # once, however many loaders
+    atexit.register(_end_loader_workers)
+    return _ignore_stop_signals
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
-@atexit.register
 def _end_loader_workers() -> None:
     # At exit multiprocessing ends its daemonic children (DataLoader workers) with SIGTERM and
     # waits: workers that ignore it would hold the exit forever. SIGKILL them first; they hold
@@ -248,9 +251,11 @@ def guarded(main: Callable[[Any], None], args: Any,
                       say=rank == 0, rank=rank)
             if not _is_run_failure(exc):
                 raise
-            # A collective that failed: the ranks that did not come, and where they were.
+            # A collective that failed: the ranks that did not come, and where they were, asked
+            # of the heartbeat.Heartbeat block the error left.
             own = isinstance(exc, (OSError, FloatingPointError)) or "DataLoader" in str(exc)
-            cause = not own and HEARTBEAT.missing() or f"{_first_line(exc)} ({type(exc).__name__})"
+            missing = None if own else getattr(exc, "missing_ranks", None)
+            cause = missing and missing() or f"{_first_line(exc)} ({type(exc).__name__})"
             _stop(1, f"error: {cause}; {rerun_hint()}.", say=True, rank=rank)
         finally:
             # Free main's locals (the DDP model) while the process group lives: left to the
@@ -263,6 +268,5 @@ def guarded(main: Callable[[Any], None], args: Any,
                 traceback.clear_frames(exc.__traceback__)
                 exc = exc.__context__
             gc.collect()
-            HEARTBEAT.stop()
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()

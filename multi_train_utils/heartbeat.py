@@ -1,7 +1,11 @@
 """Each rank's place (epoch, step, phase) in the rendezvous store, to name the ranks that hang.
 
-The loops call ``HEARTBEAT.at(phase, ...)`` (no I/O, no collective); a thread writes the place to
-the store once a second. The group's timeout follows the phase (docs/errors-and-troubleshooting.md).
+    with Heartbeat(info) as heartbeat:  # info: init_distributed_mode's
+        train_one_epoch(..., heartbeat=heartbeat)
+
+The loops and the save call ``heartbeat.at(phase, ...)`` (no I/O, no collective); a thread writes
+the place to the store once a second. The group's timeout follows the phase
+(docs/errors-and-troubleshooting.md). Without a process group the block does nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .distributed_utils import DistInfo
+
 SLOW_PHASES = ("starting", "evaluating", "saving")  # a step: "loading data", forward, backward
 # Where no rank waits for another: a forward can (DDP broadcasts BatchNorm's buffers at its
 # start, SyncBatchNorm gathers), so a fast rank's wait there would count as its own work.
@@ -28,25 +34,33 @@ STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its
 
 
 class Heartbeat:
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self.stop()
+    """A context manager: in the block a thread beats, and an error that leaves it carries
+    ``missing_ranks``, this heartbeat's :meth:`missing`, which :func:`guard.guarded` calls for a
+    failed collective."""
 
-    def start(self, rank: int, world_size: int, limits: tuple[float, float]) -> None:
-        """``limits``: seconds a collective waits after a slow phase, and else."""
-        self.stop()
-        store = dist.distributed_c10d._get_default_store()  # torchrun's, or init_process_group's
-        self.store, self.rank, self.world_size, self.limits = store, rank, world_size, limits
-        self.node, self._stop, self._long_until = socket.gethostname(), threading.Event(), None
+    def __init__(self, info: DistInfo) -> None:
+        # limits: seconds a collective waits after a slow phase, and else.
+        self.rank, self.world_size, self.limits = info.rank, info.world_size, info.timeouts
+        self.store, self.place, self.own, self.read = None, {}, 0.0, time.monotonic()
+
+    def __enter__(self) -> Heartbeat:
+        self._stop = threading.Event()
+        if not (dist.is_available() and dist.is_initialized()):
+            return self  # one process: nobody to name, at() returns at once
+        self.store = dist.distributed_c10d._get_default_store()  # torchrun's, or the group's
+        self.node, self._long_until = socket.gethostname(), None
         self.nccl = dist.get_backend() == "nccl"
         with contextlib.suppress(OSError):  # a pid names this process in its namespace only
             self.node += os.readlink("/proc/self/ns/pid")
         self.at("starting", epoch=None, step=0, steps=0)
-        threading.Thread(target=self._beat, args=(store, self._stop), daemon=True).start()
+        threading.Thread(target=self._beat, args=(self.store, self._stop), daemon=True).start()
+        return self
 
-    def stop(self) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: Any) -> None:
         self._stop.set()
-        self.store, self.place, self.own, self.read = None, {}, 0.0, time.monotonic()
+        if isinstance(exc, Exception):
+            exc.missing_ranks = self.missing
 
     def at(self, phase: str, **where: Any) -> None:
         """This rank is in ``phase`` now, at ``where`` (epoch, step, steps)."""
@@ -124,5 +138,3 @@ def slowest(work: list[float], seconds: float) -> str:
     return (f"rank {rank} is the slowest: {work[rank] / max(median, 1e-9):.1f}x the median "
             "rank's own work (loading its batches), which every step waits for")
 
-
-HEARTBEAT = Heartbeat()

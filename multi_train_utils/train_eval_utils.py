@@ -14,19 +14,21 @@ import math
 import numbers
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from .data import EpochProgress, prefetch_to_device
 from .distributed_utils import get_rank, get_world_size, is_main_process, reduce_value
 from .guard import ConfigError
-from .heartbeat import HEARTBEAT, slowest
+from .heartbeat import Heartbeat, slowest
 from .strategy import gradient_sync
 
 log = logging.getLogger(__name__)
@@ -114,109 +116,82 @@ def _check_probabilities(labels: torch.Tensor) -> None:
                          "BCEWithLogitsLoss.")
 
 
-def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
-    """``batches`` in order, the tensors of each (a tuple or list) moved to ``device``; a batch
-    with a ``to_device(device)`` method (``device_decode.JpegBatch``) moves itself. On CUDA the
-    next batch's copy (asynchronous from a pinned batch) or decode starts on a side stream before
-    this one is handed out, so it overlaps this step's compute."""
-    if device.type != "cuda":
-        yield from (b.to_device(device) if hasattr(b, "to_device") else b for b in batches)
-        return
-    side, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+@dataclass(frozen=True)
+class LoopOptions:
+    """How :func:`train_one_epoch` (all) and :func:`evaluate` (precision, layout) run a batch;
+    the defaults are the classic loop's: fp32, one batch a step, no clipping, a log line every 50
+    steps (where no tqdm bar shows)."""
 
-    def start(batch: Any) -> tuple[Any, torch.cuda.Event]:
-        with torch.cuda.stream(side):
-            if hasattr(batch, "to_device"):
-                batch = batch.to_device(device)
-            elif isinstance(batch, (tuple, list)):  # else _unpack says what it takes
-                moved = [x.to(device, non_blocking=True) if torch.is_tensor(x) else x
-                         for x in batch]
-                batch = type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-            done = side.record_event()  # the event compute waits for before using it
-        for x in batch if isinstance(batch, (tuple, list)) else ():
-            if torch.is_tensor(x):  # made on the side stream, used on compute's: the caching
-                x.record_stream(compute)  # allocator must not reuse it before compute is done
-        return batch, done
+    amp_dtype: torch.dtype | None = None  # autocast's (resolve_amp_dtype); None: fp32
+    channels_last: bool = False  # NHWC images
+    scaler: torch.amp.GradScaler = field(  # fp16's loss scaling; the default is off: no-ops
+        default_factory=lambda: torch.amp.GradScaler(enabled=False))
+    grad_accum_steps: int = 1  # K: the optimizer steps every K batches, on their mean gradient
+    clip_grad_norm: float | None = None
+    label_smoothing: float = 0.0
+    print_freq: int = 50
 
-    ahead = None  # (batch, event) whose copy or decode is under way
-    for batch in batches:
-        ready, ahead = ahead, start(batch)
-        if ready is not None:
-            compute.wait_event(ready[1])  # queued before the step that uses it: its work alone
-            yield ready[0]
-    if ahead is not None:
-        compute.wait_event(ahead[1])
-        yield ahead[0]
+    def __post_init__(self) -> None:
+        for name in ("grad_accum_steps", "print_freq"):
+            value = getattr(self, name)
+            if not (isinstance(value, numbers.Integral) and value >= 1):
+                raise ValueError(f"LoopOptions: {name} must be an integer >= 1, got {value!r}.")
 
 
-@dataclass
-class EpochProgress:
-    """How far an epoch got, kept up to date by :func:`train_one_epoch`; saved mid-epoch, it
-    lets a rerun continue at that batch (:class:`ResumableSampler` deals the rest). ``loss`` is
-    this rank's ``(loss sum, sample count)``."""
-
-    batches: int = 0  # trained on each rank, of batches_in_epoch
-    samples: int = 0  # trained over all ranks: a prefix of the sampler's order
-    batches_in_epoch: int = 0
-    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
-    stopped: bool = False  # after_step ended the epoch early
-    file_list: str = ""  # a digest of the list the epoch's order is drawn over ("": the dataset)
-    indices: torch.Tensor | None = None  # that list's items as dataset indices, where they differ
-
-
-class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` whose epoch can start part-way: after ``set_epoch(epoch, skip=k)``
-    it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
-    order is the same at any world size (but with ``repeats``), so the rest can go to another
-    number of ranks, dealt as ``DistributedSampler`` does; with the same world size each rank
-    gets the rest of its own.
-    ``indices[i]``: the dataset's index of item i of the list the epoch began with (-1: gone).
-
-    ``repeats`` r > 1 (``--ra-sampler``, repeated augmentation, arXiv:1901.09335) deals each
-    image r times in a row, copy j as index ``i + j * len(dataset)`` (``MyDataSet`` reads image
-    i and augments each copy apart), and ends the epoch after ``len(dataset) // W`` samples a
-    rank, as torchvision's ``RASampler`` does (without its rounding down to 256 images)."""
-
-    skip, rest = 0, None  # rest: a part-way epoch's samples still to deal, in order
-
-    def __init__(self, *args: Any, repeats: int = 1, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.repeats = repeats
-        self.set_epoch(self.epoch)  # repeats > 1: a loader's length is the epoch's from the start
-
-    def set_epoch(self, epoch: int, skip: int = 0, indices: torch.Tensor | None = None) -> None:
-        super().set_epoch(epoch)
-        self.skip, self.rest = skip, None  # for this epoch only: the next deals a whole one
-        if skip or indices is not None or self.repeats > 1:
-            n, r = len(self.dataset) if indices is None else len(indices), self.repeats
-            order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
-                     if self.shuffle else torch.arange(n))
-            if r > 1:  # the first n // W * W of the repeated order; copy j of i: i + j * len
-                keep = n // self.num_replicas * self.num_replicas
-                order, copy = order.repeat_interleave(r)[:keep], torch.arange(keep) % r
-            order = order if indices is None else indices[order]
-            if r > 1:
-                order = torch.where(order >= 0, order + copy * len(self.dataset), -1)
-            self.rest, self.order = order[skip:][order[skip:] >= 0], order[order >= 0]
-
-    def __iter__(self) -> Iterator[int]:
-        if self.rest is None:
-            return super().__iter__()
-        size = len(self) * self.num_replicas  # padded with the order's start
-        rest = torch.cat([self.rest, self.order.repeat(-(-size // max(len(self.order), 1)))])
-        return iter(rest[:size][self.rank::self.num_replicas].tolist())
-
-    def __len__(self) -> int:
-        if self.rest is None:
-            return super().__len__()
-        rest, world = len(self.rest), self.num_replicas
-        return rest // world if self.drop_last else -(-rest // world)
+def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                    device: torch.device, epoch: int, options: LoopOptions | None = None, *,
+                    progress: EpochProgress | None = None,
+                    after_step: Callable[[EpochProgress], bool] | None = None,
+                    mix: Callable[..., Any] | None = None, ema: Any = None,
+                    heartbeat: Heartbeat | None = None) -> float:
+    """One pass over ``data_loader``; returns the mean cross-entropy over every rank's samples
+    (a non-finite one raises on every rank). The model maps ``(N, ...)`` to logits ``(N, C)``.
+    ``progress`` (updated in place) continues a stopped epoch, whose rest the loader deals; when
+    ``after_step(progress)``, called after each optimizer step but the last, returns True, the
+    epoch ends there with ``progress.stopped`` set. ``mix`` mixes each batch (``recipe.BatchMix``);
+    ``ema.after_step`` follows each step (``recipe.ModelEma``); ``heartbeat`` hears where this
+    rank is (:mod:`.heartbeat`)."""
+    opts, steps = options or LoopOptions(), _length(data_loader)
+    accum, progress = opts.grad_accum_steps, progress if progress is not None else EpochProgress()
+    first, samples, seen, world = progress.batches, progress.samples, 0, get_world_size()
+    progress.batches_in_epoch = first + steps
+    progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
+    model.train()
+    shown = _EpochLog(prefetch_to_device(data_loader, device), epoch, first, steps, opts.print_freq,
+                      heartbeat)
+    mean_loss = shown.mean_loss(totals, first)[0] if steps == 0 else float("nan")
+    optimizer.zero_grad(set_to_none=True)
+    beat = heartbeat.at if heartbeat is not None else (lambda phase, **where: None)
+    beat("loading data", epoch=epoch, step=first + 1, steps=first + steps)
+    for step, batch in enumerate(shown.batches):
+        images, labels = _unpack(batch, "train_one_epoch", device, opts.channels_last)
+        if step == 0 and labels.is_floating_point():
+            _check_probabilities(labels)  # once, the loader's: the check syncs the host
+        if mix is not None:
+            images, labels = mix(images, labels, epoch, first + step)
+        seen += labels.shape[0]
+        beat("forward")  # at the step the last call named
+        last_micro = (step + 1) % accum == 0 or step + 1 == steps
+        # Mean over the micro-batches of this step; the epoch's last group may be shorter
+        # than K, and a fixed / K would shrink its step.
+        group = min(accum, steps - (step - step % accum))
+        totals += _backward(model, images, labels, opts, group=group, sync=last_micro, beat=beat)
+        if last_micro:
+            _optimizer_step(model, optimizer, opts.scaler, opts.clip_grad_norm)
+            progress.batches, progress.samples = first + step + 1, samples + seen * world
+            if ema is not None:  # counts optimizer steps: the same after a resume
+                ema.after_step(model, epoch, -(-progress.batches // accum))
+            if step + 1 < steps and after_step is not None and after_step(progress):
+                progress.stopped = True
+        if progress.stopped or (step + 1) % opts.print_freq == 0 or step + 1 == steps:
+            mean_loss = shown.line(totals, step, seen, optimizer.param_groups[0]["lr"])
+        if progress.stopped:
+            break
+        beat("loading data", step=min(first + step + 2, first + steps))
+    return mean_loss  # the last step always reduced: no second all-reduce
 
 
-def _batches(data_loader: DataLoader, grad_accum_steps: int, print_freq: int) -> int:
-    for name, value in (("grad_accum_steps", grad_accum_steps), ("print_freq", print_freq)):
-        if not (isinstance(value, numbers.Integral) and value >= 1):
-            raise ValueError(f"train_one_epoch: {name} must be an integer >= 1, got {value!r}.")
+def _length(data_loader: DataLoader) -> int:
     try:
         return len(data_loader)  # it sets the last accumulation group
     except TypeError:
@@ -224,100 +199,66 @@ def _batches(data_loader: DataLoader, grad_accum_steps: int, print_freq: int) ->
                         "IterableDataset a __len__ (its batches per rank).") from None
 
 
-def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                    device: torch.device, epoch: int, *,
-                    scaler: torch.amp.GradScaler | None = None,
-                    amp_dtype: torch.dtype | None = None, grad_accum_steps: int = 1,
-                    clip_grad_norm: float | None = None, print_freq: int = 50,
-                    channels_last: bool = False, progress: EpochProgress | None = None,
-                    after_step: Callable[[EpochProgress], bool] | None = None,
-                    label_smoothing: float = 0.0, mix: Callable[..., Any] | None = None,
-                    ema: Any = None) -> float:
-    """One pass over ``data_loader``; returns the mean cross-entropy over every rank's samples.
-    The model maps ``(N, ...)`` to logits ``(N, C)``. ``grad_accum_steps`` K: the optimizer steps
-    every K batches (and after the last) on their mean gradient, reduced only then. Progress:
-    tqdm on rank 0 in a terminal, else a log line every ``print_freq`` steps. A non-finite loss
-    raises on every rank. ``progress`` (updated in place) continues a stopped epoch, whose rest
-    the loader deals; when ``after_step(progress)``, called after each optimizer step but the
-    last, returns True, the epoch ends there with ``progress.stopped`` set. ``mix`` mixes each
-    batch (``recipe.BatchMix``); ``ema.after_step`` follows each step (``recipe.ModelEma``)."""
-    steps = _batches(data_loader, grad_accum_steps, print_freq)
-    progress = progress if progress is not None else EpochProgress()
-    scaler = scaler if scaler is not None else torch.amp.GradScaler(enabled=False)  # no-ops
-    first, samples, world = progress.batches, progress.samples, get_world_size()
-    progress.batches_in_epoch = first + steps
-    progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
-    model.train()
-    loss_function = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX,
-                                        label_smoothing=label_smoothing)
-    mean_loss = _mean_loss(totals, epoch, first, print_freq)[0] if steps == 0 else float("nan")
-    optimizer.zero_grad(set_to_none=True)
-    bar = is_main_process() and sys.stdout.isatty()
-    batches = tqdm(prefetch_to_device(data_loader, device), total=first + steps, initial=first,
-                   file=sys.stdout, disable=not bar, desc=f"[train epoch {epoch}]",
-                   dynamic_ncols=True)
-    start, seen = time.perf_counter(), 0
-    HEARTBEAT.at("loading data", epoch=epoch, step=first + 1, steps=first + steps)
-    for step, batch in enumerate(batches):
-        images, labels = _unpack(batch, "train_one_epoch", device, channels_last)
-        if step == 0 and labels.is_floating_point():
-            _check_probabilities(labels)  # once, the loader's: the check syncs the host
-        if mix is not None:
-            images, labels = mix(images, labels, epoch, first + step)
-        seen += labels.shape[0]
-        HEARTBEAT.at("forward")  # at the step the last call named
-        # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
-        n_valid = (torch.full((), labels.shape[0], device=device)  # made there: no copy
-                   if labels.is_floating_point() else (labels != IGNORE_INDEX).sum())
-        last_micro = (step + 1) % grad_accum_steps == 0 or step + 1 == steps
-        with gradient_sync(model, enabled=last_micro):  # DDP's no_sync, or FSDP's equivalent
-            with _autocast(device, amp_dtype):
-                output = _forward(model, images)
-            # Sum / count == mean over valid samples, yet finite for a batch of unreadable ones.
-            loss = loss_function(_logits(output, "train_one_epoch"), labels) / n_valid.clamp(min=1)
-            # Mean over the micro-batches of this step; the epoch's last group may be shorter
-            # than K, and a fixed / K would shrink its step.
-            scaled = loss / min(grad_accum_steps, steps - (step - step % grad_accum_steps))
-            HEARTBEAT.at("backward" if last_micro else "accumulating")
-            scaler.scale(scaled).backward()
-        totals += torch.stack([loss.detach().double() * n_valid, n_valid.double()])
-        if last_micro:
-            _optimizer_step(model, optimizer, scaler, clip_grad_norm)
-            progress.batches, progress.samples = first + step + 1, samples + seen * world
-            if ema is not None:  # counts optimizer steps: the same after a resume
-                ema.after_step(model, epoch, -(-progress.batches // grad_accum_steps))
-            if step + 1 < steps and after_step is not None and after_step(progress):
-                progress.stopped = True
-        if progress.stopped or (step + 1) % print_freq == 0 or step + 1 == steps:
-            mean_loss, slow = _mean_loss(totals, epoch, first + step, print_freq)
-            lr = optimizer.param_groups[0]["lr"]
-            batches.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
-            if is_main_process() and not bar:
-                elapsed = time.perf_counter() - start
-                eta = round(elapsed / (step + 1) * (steps - step - 1))
-                log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
-                         "process  eta %d:%02d", epoch, first + step + 1, first + steps,
-                         mean_loss, lr, seen / elapsed, eta // 60, eta % 60)
-            if slow and is_main_process():
-                log.info("[train epoch %d] %s", epoch, slow)
-        if progress.stopped:
-            break
-        HEARTBEAT.at("loading data", step=min(first + step + 2, first + steps))
-    return mean_loss  # the last step always reduced: no second all-reduce
+def _backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, opts: LoopOptions, *,
+              group: int, sync: bool, beat: Callable[..., None]) -> torch.Tensor:
+    """Forward and backward of one of ``group`` micro-batches (its loss / group: their mean),
+    the gradients reduced across ranks if ``sync``; returns its ``(loss sum, valid count)``."""
+    # Class probabilities (N, C) have one sample per row and no "unreadable" marker.
+    n_valid = (torch.full((), labels.shape[0], device=labels.device)  # made there: no copy
+               if labels.is_floating_point() else (labels != IGNORE_INDEX).sum())
+    with gradient_sync(model, enabled=sync):  # DDP's no_sync, or FSDP's equivalent
+        with _autocast(labels.device, opts.amp_dtype):
+            output = _forward(model, images)
+        # Sum / count == mean over valid samples, yet finite for a batch of unreadable ones.
+        loss = F.cross_entropy(_logits(output, "train_one_epoch"), labels, reduction="sum",
+                               ignore_index=IGNORE_INDEX, label_smoothing=opts.label_smoothing)
+        loss = loss / n_valid.clamp(min=1)
+        beat("backward" if sync else "accumulating")
+        opts.scaler.scale(loss / group).backward()
+    return torch.stack([loss.detach().double() * n_valid, n_valid.double()])
 
 
-def _mean_loss(totals: torch.Tensor, epoch: int, step: int, print_freq: int) -> tuple[float, str]:
-    """The mean loss over every rank's samples so far (a non-finite one raises on every rank),
-    and in the same all-reduce each rank's own work (loading its batches): the slowest, named."""
-    work = totals.new_zeros(get_world_size())  # float64, beside the totals
-    work[get_rank()], seconds = HEARTBEAT.own_work()
-    loss_sum, count, *work = reduce_value(torch.cat([totals, work]), average=False).tolist()
-    mean_loss = loss_sum / count if count else float("nan")
-    if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
-        raise FloatingPointError(
-            f"loss is {mean_loss} at epoch {epoch} step {step} (checked every {print_freq} "
-            "steps); lower the learning rate (--lr) or check the data.")
-    return mean_loss, slowest(work, seconds)
+class _EpochLog:
+    """An epoch's progress: a tqdm bar over ``batches`` on rank 0 in a terminal, else a log line
+    every ``print_freq`` steps; each shows the mean loss so far over every rank's samples."""
+
+    def __init__(self, batches: Iterable[Any], epoch: int, first: int, steps: int,
+                 print_freq: int, heartbeat: Heartbeat | None) -> None:
+        self.epoch, self.first, self.steps, self.print_freq = epoch, first, steps, print_freq
+        self.heartbeat, self.start = heartbeat, time.perf_counter()
+        self.bar = is_main_process() and sys.stdout.isatty()
+        self.batches = tqdm(batches, total=first + steps, initial=first, file=sys.stdout,
+                            disable=not self.bar, desc=f"[train epoch {epoch}]", dynamic_ncols=True)
+
+    def mean_loss(self, totals: torch.Tensor, step: int) -> tuple[float, str]:
+        """The mean loss over every rank's samples so far (a non-finite one raises on every
+        rank), and in the same all-reduce each rank's own work (loading its batches): the
+        slowest, named."""
+        work = totals.new_zeros(get_world_size())  # float64, beside the totals
+        heartbeat = self.heartbeat
+        work[get_rank()], seconds = heartbeat.own_work() if heartbeat is not None else (0.0, 0.0)
+        loss_sum, count, *work = reduce_value(torch.cat([totals, work]), average=False).tolist()
+        mean_loss = loss_sum / count if count else float("nan")
+        if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
+            raise FloatingPointError(
+                f"loss is {mean_loss} at epoch {self.epoch} step {step} (checked every "
+                f"{self.print_freq} steps); lower the learning rate (--lr) or check the data.")
+        return mean_loss, slowest(work, seconds)
+
+    def line(self, totals: torch.Tensor, step: int, seen: int, lr: float) -> float:
+        """Shows the mean loss after ``step`` of this call, ``seen`` samples in, and returns it."""
+        epoch, first, steps = self.epoch, self.first, self.steps
+        mean_loss, slow = self.mean_loss(totals, first + step)
+        self.batches.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
+        if is_main_process() and not self.bar:
+            elapsed = time.perf_counter() - self.start
+            eta = round(elapsed / (step + 1) * (steps - step - 1))
+            log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
+                     "process  eta %d:%02d", epoch, first + step + 1, first + steps,
+                     mean_loss, lr, seen / elapsed, eta // 60, eta % 60)
+        if slow and is_main_process():
+            log.info("[train epoch %d] %s", epoch, slow)
+        return mean_loss
 
 
 def _forward(model: nn.Module, images: torch.Tensor) -> Any:
@@ -386,13 +327,17 @@ def _val_sampler(data_loader: DataLoader) -> DistributedSampler | None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
-             amp_dtype: torch.dtype | None = None, channels_last: bool = False) -> EvalResult:
+def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
+             options: LoopOptions | None = None, *, heartbeat: Heartbeat | None = None
+             ) -> EvalResult:
     """Exact top-1/top-5/loss/confusion over the whole val set, however it is split across ranks:
     in ``DistributedSampler``'s padded order the sample at position ``p`` (on rank ``p % W``) is a
-    repeat iff ``p >= len(dataset)``, so each rank masks its repeats with no extra gather."""
+    repeat iff ``p >= len(dataset)``, so each rank masks its repeats with no extra gather.
+    ``options``: their ``amp_dtype`` and ``channels_last``."""
+    opts = options or LoopOptions()
     model.eval()
-    HEARTBEAT.at("evaluating")
+    if heartbeat is not None:
+        heartbeat.at("evaluating")
     sampler = _val_sampler(data_loader)
     world, rank = (sampler.num_replicas, sampler.rank) if sampler is not None else (1, 0)
     stats = torch.zeros(4, device=device, dtype=torch.float64)  # top1, top5, loss sum, count
@@ -401,7 +346,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
     bar = tqdm(data_loader, file=sys.stdout, desc="[valid]", dynamic_ncols=True,
                disable=not (is_main_process() and sys.stdout.isatty()))
     for batch in prefetch_to_device(bar, device):  # as in training: the next one moves meanwhile
-        images, labels = _unpack(batch, "evaluate", device, channels_last)
+        images, labels = _unpack(batch, "evaluate", device, opts.channels_last)
         if labels.is_floating_point():
             raise ValueError(f"evaluate needs class indices (N,) as labels, got class "
                              f"probabilities of shape {tuple(labels.shape)}.")
@@ -410,7 +355,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device, *,
             positions = rank + (seen + torch.arange(labels.shape[0], device=device)) * world
             valid &= positions < len(sampler.dataset)
         seen += labels.shape[0]
-        with _autocast(device, amp_dtype):
+        with _autocast(device, opts.amp_dtype):
             logits = _logits(model(images), "evaluate")
         classes = logits.shape[1]
         topk = logits.topk(min(5, classes), dim=1).indices

@@ -30,7 +30,8 @@ import device_decode
 import my_dataset
 from benchmarks.photos import make_photos
 from device_decode import BatchAugment, Encoded, JpegBatch
-from multi_train_utils.train_eval_utils import IGNORE_INDEX, prefetch_to_device
+from multi_train_utils.data import prefetch_to_device
+from multi_train_utils.train_eval_utils import IGNORE_INDEX
 from my_dataset import MyDataSet, load_image_tensor, loader_kwargs
 from augment import get_transforms
 

@@ -9,6 +9,7 @@ test_multinode_slurm.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -127,17 +128,21 @@ def test_a_malformed_dist_url_is_one_sentence(env, url):
         du.init_distributed_mode(device="cpu", dist_url=url)
 
 
-# ---------------------------------------------------------------- the classic call
-def test_classic_call_sets_the_attributes_classic_scripts_read(env):
-    # The classic template's init_distributed_mode(args) set these; copied scripts read them
-    # (device_ids=[args.gpu], args.lr *= args.world_size).
+# ---------------------------------------------------------------- keywords, not a namespace
+def test_the_arguments_are_keywords_and_the_answer_a_frozen_dataclass(env):
+    """The library reads no argparse namespace: the classic ``init_distributed_mode(args)``
+    is refused, and what it set on ``args`` (rank, world size, GPU) is the returned DistInfo's."""
     args = argparse.Namespace(device="cpu")
-    info = du.init_distributed_mode(args)
-    assert (args.rank, args.world_size, args.gpu, args.distributed, args.dist_backend) == \
-        (0, 1, 0, False, None)
-    assert info == du.DistInfo()
-    for device in (torch.device("cpu"), "CPU"):  # what classic scripts may hold in args.device
-        assert du.init_distributed_mode(argparse.Namespace(device=device)) == info
+    with pytest.raises(TypeError):
+        du.init_distributed_mode(args)
+    info = du.init_distributed_mode(device="cpu")
+    assert info == du.DistInfo() and vars(args) == {"device": "cpu"}
+    assert info.timeouts == du.LIMITS_S
+    assert du.init_distributed_mode(device="cpu", timeout_s=30).timeouts == (30, 30)
+    for device in (torch.device("cpu"), "CPU"):  # what a classic script may hold in args.device
+        assert du.init_distributed_mode(device=device) == info
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.rank = 1
 
 
 def test_a_torchrun_group_of_one_is_a_process_group_as_in_the_classic_template(env):
@@ -145,14 +150,13 @@ def test_a_torchrun_group_of_one_is_a_process_group_as_in_the_classic_template(e
     classic script's DistributedSampler: "Default process group has not been initialized"."""
     _set(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(du.find_free_port()))
-    args = argparse.Namespace(device="cpu", dist_url="env://", dist_timeout=60)
     try:
-        info = du.init_distributed_mode(args)
+        info = du.init_distributed_mode(device="cpu", dist_url="env://", timeout_s=60)
         sampler = torch.utils.data.distributed.DistributedSampler(list(range(5)))
-        assert (args.rank, args.world_size, args.distributed, args.dist_backend) == \
-            (0, 1, True, "gloo")
+        assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo")
         assert info.distributed and len(list(sampler)) == 5
-        assert du.init_distributed_mode(device="cpu") == info  # again: the group there is
+        # Again: the group there is.
+        assert du.init_distributed_mode(device="cpu", timeout_s=60) == info
     finally:
         du.cleanup()
     assert not dist.is_initialized()
@@ -207,21 +211,18 @@ def test_more_local_ranks_than_gpus_stop_every_rank(env, fake_gpus):
     assert du.pick_device("auto", 0, launched=True) == torch.device("cuda", 0)
 
 
-def test_the_group_is_bound_to_the_gpu_and_args_gpu_is_its_index(env, fake_gpus):
-    """SLURM --gpus-per-task=1 shows each task one GPU: local rank 3 is on cuda:0, and the classic
-    ``DDP(model, device_ids=[args.gpu])`` must get 0, not 3. NCCL gets device_id, so a set-up it
-    refuses fails in init_process_group, not at the first collective."""
+def test_the_group_is_bound_to_the_gpu_and_the_device_is_its_index(env, fake_gpus):
+    """SLURM --gpus-per-task=1 shows each task one GPU: local rank 3 is on cuda:0, and
+    ``DDP(model, device_ids=[info.device.index])`` must get 0, not 3. NCCL gets device_id, so a
+    set-up it refuses fails in init_process_group, not at the first collective."""
     calls = []
     env.setattr(torch.cuda, "device_count", lambda: 1)
     env.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
-    env.setattr(du.HEARTBEAT, "start", lambda *args: None)  # no group: nothing to beat to
     _set(env, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="3", CUDA_VISIBLE_DEVICES="3",
          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    args = argparse.Namespace(device="cuda")
-    info = du.init_distributed_mode(args)
+    info = du.init_distributed_mode(device="cuda")
     assert (info.rank, info.local_rank, info.world_size, info.device, info.backend) == \
         (3, 3, 4, torch.device("cuda", 0), "nccl")
-    assert (args.gpu, args.rank, args.world_size, args.dist_backend) == (0, 3, 4, "nccl")
     (backend, kwargs), = calls
     assert (backend, kwargs["device_id"], kwargs["init_method"]) == \
         ("nccl", torch.device("cuda", 0), "env://")
@@ -240,7 +241,6 @@ def test_on_cuda_the_flight_recorder_dumps_into_the_run_folder_unless_set_up(env
         env.setenv(name, "")
         env.delenv(name)
     env.setattr(dist, "init_process_group", lambda backend, **kw: None)
-    env.setattr(du.HEARTBEAT, "start", lambda *args: None)
     _set(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
          MASTER_PORT="29500")
     du.init_distributed_mode(device="cuda", trace_dir=str(tmp_path / "run"))

@@ -40,8 +40,8 @@ from multi_train_utils.distributed_utils import (all_gather_object, all_ranks_ok
 from multi_train_utils.guard import ConfigError, UserError
 from multi_train_utils.sync_batchnorm import SyncBatchNormCPU, convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (IMAGENET_MEAN, IMAGENET_STD, EvalResult,
-                                                _norm_constants, evaluate, format_report,
-                                                prepare_images, resolve_amp_dtype,
+                                                LoopOptions, _norm_constants, evaluate,
+                                                format_report, prepare_images, resolve_amp_dtype,
                                                 train_one_epoch)
 
 CPU = torch.device("cpu")
@@ -477,7 +477,7 @@ def _grad_accum_worker(rank: int, world: int, model: nn.Module, images: torch.Te
     loader = DataLoader(dataset, batch_size=PER_RANK, sampler=sampler)
     ddp = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    train_one_epoch(ddp, optimizer, loader, CPU, 0, grad_accum_steps=ACCUM_K)
+    train_one_epoch(ddp, optimizer, loader, CPU, 0, LoopOptions(grad_accum_steps=ACCUM_K))
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -575,7 +575,7 @@ def _lockstep_worker(rank: int, world: int, images: torch.Tensor, labels: torch.
     dataset = TensorDataset(images, labels)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_sampler=BatchSampler(sampler, 4, drop_last=True))
-    loss = train_one_epoch(ddp, optimizer, loader, CPU, 0, print_freq=2)
+    loss = train_one_epoch(ddp, optimizer, loader, CPU, 0, LoopOptions(print_freq=2))
     after_train = flat_state(model)
     return dict(loss=loss, before=_gather(before), after_ddp=_gather(after_ddp),
                 after_train=_gather(after_train))
@@ -730,7 +730,7 @@ def _loss_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=LOG_BATCH, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights never change
-    out = {"ddp": train_one_epoch(DDP(model), optimizer, loader, CPU, 0, print_freq=2)}
+    out = {"ddp": train_one_epoch(DDP(model), optimizer, loader, CPU, 0, LoopOptions(print_freq=2))}
     # Collectives made by train_one_epoch itself: the model is not DDP-wrapped here, so no
     # gradient hook all-reduces; every call counted is the loop's own.
     calls = []
@@ -745,7 +745,7 @@ def _loss_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
         for print_freq in (1000, 1):
             calls.clear()
             out[f"loss@{print_freq}"] = train_one_epoch(model, optimizer, loader, CPU, 0,
-                                                        print_freq=print_freq)
+                                                        LoopOptions(print_freq=print_freq))
             out[f"all_reduce@{print_freq}"] = len(calls)
     finally:
         dist.all_reduce = real_all_reduce
@@ -789,7 +789,7 @@ def _nan_worker(rank: int, world: int, model: nn.Module, images: torch.Tensor,
                         sampler=DistributedSampler(dataset, world, rank, shuffle=False))
     try:
         train_one_epoch(DDP(model), torch.optim.SGD(model.parameters(), lr=0.1), loader, CPU, 3,
-                        print_freq=2)
+                        LoopOptions(print_freq=2))
     except FloatingPointError as exc:
         return str(exc)
     return "trained on"
@@ -864,7 +864,7 @@ def test_progress_goes_to_the_log_when_stdout_is_a_file(caplog, capsys):
                                       torch.randint(0, 4, (10,), generator=gen)), batch_size=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with caplog.at_level("INFO", logger="multi_train_utils.train_eval_utils"):
-        loss = train_one_epoch(model, optimizer, loader, CPU, 3, print_freq=2)
+        loss = train_one_epoch(model, optimizer, loader, CPU, 3, LoopOptions(print_freq=2))
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split("  ")[0] for line in lines] == [
         "[train epoch 3] step 2/5", "[train epoch 3] step 4/5", "[train epoch 3] step 5/5"]
@@ -908,11 +908,11 @@ def test_clip_grad_norm_clips_the_true_mean_gradient_also_under_a_grad_scaler(fp
     want = [-p.grad * clip / norm for p in reference.parameters()]  # SGD, lr 1
 
     before = [p.detach().clone() for p in model.parameters()]
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if fp16 else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=fp16)
     train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0),
                     DataLoader(TensorDataset(images, labels), batch_size=4), CPU, 0,
-                    scaler=scaler, amp_dtype=torch.float16 if fp16 else None, grad_accum_steps=2,
-                    clip_grad_norm=clip)
+                    LoopOptions(scaler=scaler, amp_dtype=torch.float16 if fp16 else None,
+                                grad_accum_steps=2, clip_grad_norm=clip))
 
     got = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     want = torch.cat([w.flatten() for w in want])
@@ -963,7 +963,7 @@ def test_what_the_loop_cannot_train_is_one_sentence_not_a_wrong_loss(case):
     elif case in ("negative accumulation", "print_freq 0"):
         name, value = ("grad_accum_steps", -1) if case[0] == "n" else ("print_freq", 0)
         kwargs = {name: value}
-        message = rf"^train_one_epoch: {name} must be an integer >= 1, got {value}\.$"
+        message = rf"^LoopOptions: {name} must be an integer >= 1, got {value}\.$"
     elif case == "no length":
         data, error = _Unsized(), TypeError
         message = r"needs a data loader with a length; give the IterableDataset a __len__"
@@ -973,7 +973,7 @@ def test_what_the_loop_cannot_train_is_one_sentence_not_a_wrong_loss(case):
     before = flat_state(model)
     with pytest.raises(error, match=message):
         train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                        DataLoader(data, batch_size=4), CPU, 0, **kwargs)
+                        DataLoader(data, batch_size=4), CPU, 0, LoopOptions(**kwargs))
     assert torch.equal(flat_state(model), before)  # refused before any step
 
 

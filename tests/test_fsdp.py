@@ -44,7 +44,7 @@ from multi_train_utils.run_folder import move_earlier_run
 from multi_train_utils.strategy import (RESIDUAL_BLOCKS, gradient_sync, load_shards,
                                         read_shards, save_shards, shard_model)
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import LoopOptions, evaluate, train_one_epoch
 
 CPU = torch.device("cpu")
 BATCH, STEPS, CLASSES = 4, 3, 5
@@ -78,7 +78,7 @@ def _train(rank: int, world: int, init: str, strategy: str, sync_bn: bool, accum
     for step in range(STEPS):  # one optimizer step per call: its loss, reduced over the ranks
         part = TensorDataset(*data[step * per_step:(step + 1) * per_step])
         losses.append(train_one_epoch(model, optimizer, _loader(part, rank, world), CPU, step,
-                                      grad_accum_steps=accum, clip_grad_norm=clip))
+                                      LoopOptions(grad_accum_steps=accum, clip_grad_norm=clip)))
     result = evaluate(model, _loader(_data(10, seed=1), rank, world), CPU)
     weights, optimizer_state = whole_state(bare, optimizer)
     return dict(losses=losses, eval=(int(result), result.loss), model=weights,
@@ -171,7 +171,7 @@ def _memory_worker(rank: int, world: int) -> dict:
     amp = shard_model(get_model("resnet18", num_classes=CLASSES), mixed_precision=torch.bfloat16)
     amp_optimizer = torch.optim.SGD(amp.parameters(), lr=0.1)
     train_one_epoch(amp, amp_optimizer, _loader(_data(2 * world * BATCH), rank, world), CPU, 0,
-                    amp_dtype=torch.bfloat16)
+                    LoopOptions(amp_dtype=torch.bfloat16))
     amp.eval()
     with torch.no_grad():
         logits = amp(x)

@@ -8,12 +8,15 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
+import pytest
 import torch.distributed as dist
 from conftest import (LAUNCH, REFERENCE_EPOCHS, assert_same_run, error_lines, flags,
                       make_stopper, proc_env, ranks, torchrun_cmd)
 
+from multi_train_utils.distributed_utils import DistInfo
 from multi_train_utils.heartbeat import Heartbeat, slowest
 
 
@@ -117,14 +120,15 @@ class FakeStore(dict):
 
 def test_the_ranks_named_the_time_limits_and_the_slowest(monkeypatch):
     """Without processes: who ``missing`` names (stopped answering; elsewhere for a while; not
-    one that stands here or moved a moment ago), the limit each phase sets, the slowest rank."""
+    one that stands here or moved a moment ago), the limit each phase sets, the slowest rank;
+    a failed collective leaving the block carries the names, for the guard to say."""
     limits: list[float] = []
     monkeypatch.setattr(dist, "set_timeout", lambda t: limits.append(t.total_seconds()))
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", FakeStore)
     monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
-    beat = Heartbeat()
-    beat.start(0, 5, (600.0, 120.0))
-    try:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    failed = RuntimeError("gloo: timed out")
+    with pytest.raises(RuntimeError) as raised, Heartbeat(DistInfo(world_size=5)) as beat:
         for phase in ("loading data", "forward", "backward", "loading data", "forward"):
             beat.at(phase, epoch=0, step=3, steps=10)
         assert limits == [600, 600, 120]  # start-up, its next step, then the short limit
@@ -152,8 +156,17 @@ def test_the_ranks_named_the_time_limits_and_the_slowest(monkeypatch):
             "(forward); rank 2 (host node2, pid 42) is at epoch 0, step 3 of 10 (loading data) "
             "for 30 s")
         assert beat.store.timeout == datetime.timedelta(seconds=600)  # given back
-    finally:
-        beat.stop()
+        raise failed
+    assert raised.value is failed and failed.missing_ranks().startswith("rank 1 (host node1, ")
+    assert beat._stop.is_set()  # the thread ends with the block
     assert slowest([1.0, 1.1, 3.3, 0.9], 10).startswith("rank 2 is the slowest: 3.3x the median")
     assert slowest([1.0, 1.9], 10) == "" and slowest([0.0], 10) == ""
     assert slowest([0.01, 0.04], 1) == ""  # 4x, but 30 ms of a second: a step's noise
+
+
+def test_without_a_process_group_the_heartbeat_starts_nothing():
+    """One process (no group): the block starts no thread and ``at`` records nothing."""
+    threads = threading.active_count()
+    with Heartbeat(DistInfo()) as beat:
+        beat.at("forward", epoch=0, step=1, steps=2)
+        assert beat.store is None and beat.place == {} and threading.active_count() == threads

@@ -22,7 +22,8 @@ from conftest import ROOT
 import device_decode
 import my_dataset
 from multi_train_utils import distributed_utils, train_eval_utils
-from multi_train_utils.train_eval_utils import prefetch_to_device, train_one_epoch
+from multi_train_utils.data import prefetch_to_device
+from multi_train_utils.train_eval_utils import train_one_epoch
 from augment import get_transforms
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -27,7 +27,7 @@ from conftest import (LAUNCH, REFERENCE_EPOCHS, STOPPER, assert_same_run, clone_
                       load_ckpt, make_stopper, ranks, read_metrics, torchrun_cmd)
 from dist_helpers import run_ranks
 from multi_train_utils.guard import stop_requests
-from multi_train_utils.train_eval_utils import ResumableSampler
+from multi_train_utils.data import ResumableSampler
 
 STEPS_PER_EPOCH = 5  # tiny_data on 2 ranks: 40 training images in batches of 4 per rank
 
@@ -183,7 +183,7 @@ def test_the_same_command_continues_at_that_batch_to_the_uninterrupted_weights(
 
 RECORD_SAMPLER = """
 import json, os
-from multi_train_utils.train_eval_utils import ResumableSampler
+from multi_train_utils.data import ResumableSampler
 _iter = ResumableSampler.__iter__
 def _recorded(self):
     indices = list(_iter(self))

@@ -23,10 +23,11 @@ from conftest import (LAUNCH, ROOT, assert_same_run, assert_same_tensors, assert
                       load_ckpt, make_stopper, ranks, read_metrics)
 from multi_train_utils.checkpoint import Checkpointer, ModelState, OptimizerState
 from multi_train_utils.checkpoint_io import whole_state
+from multi_train_utils.data import ResumableSampler
 from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import (BatchMix, ModelEma, inert_flags, lr_schedule,
                                       make_optimizer, resolve_recipe)
-from multi_train_utils.train_eval_utils import ResumableSampler, train_one_epoch
+from multi_train_utils.train_eval_utils import LoopOptions, train_one_epoch
 from predict import load_predictor
 from test_bad_data import make_class
 from train_flags import (BEFORE_RECIPES, check_args, ema_kwargs, flag_changes,
@@ -280,7 +281,7 @@ def test_label_smoothing_is_cross_entropys_in_the_training_loss():
     torch.manual_seed(0)
     model, batch = nn.Linear(6, 4), (torch.randn(8, 6), torch.arange(8) % 4)
     losses = [train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.0), [batch],
-                              torch.device("cpu"), 0, label_smoothing=smoothing)
+                              torch.device("cpu"), 0, LoopOptions(label_smoothing=smoothing))
               for smoothing in (0.0, 0.1)]
     with torch.no_grad():
         expected = [nn.functional.cross_entropy(model(batch[0]), batch[1], label_smoothing=s)

@@ -20,14 +20,14 @@ import torch
 from conftest import (LAUNCH, ROOT, STOPPER, assert_same_tensors, flags, load_ckpt, read_metrics,
                       ranks)
 from predict import format_prediction, load_predictor, predict
-from multi_train_utils.train_eval_utils import EpochProgress
+from multi_train_utils.data import EpochProgress
 from image_folder import (SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val,
                           write_scan_files)
 
 # Each ResumableSampler.__iter__: its epoch and the paths it dealt, per rank.
 RECORD = """
 import json, os
-from multi_train_utils.train_eval_utils import ResumableSampler
+from multi_train_utils.data import ResumableSampler
 _iter = ResumableSampler.__iter__
 def _recorded(self):
     indices = list(_iter(self))
