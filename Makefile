@@ -1,13 +1,16 @@
-# Two commands do all set-up on a fresh machine:
-#   make demo   - create .venv, install, train on the generated demo data (2 CPU processes)
-#   make test   - create .venv, install, lint (ruff check .), run the test suite
+# Each of these does all set-up on a fresh machine (creates .venv and installs):
+#   make demo     - train on the generated demo data (2 CPU processes)
+#   make test     - lint (ruff check .), then the tests not marked full: every in-process test
+#                   and a few 2-process runs (DDP, a stop and its exact continuation, the recipe);
+#                   under 4 minutes on 2 otherwise idle cores (docs/tests.md)
+#   make test-all - lint, then every test (what CI runs: .ci/run)
 # On a machine with one CUDA GPU (and torch in $(PY); make bench-gpu PY=python to use another):
 #   make bench-gpu - the GPU checks, then --decode workers against device (benchmarks/decode.py)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo lint test bench bench-gpu figures clean
+.PHONY: demo lint test test-all bench bench-gpu figures clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +26,11 @@ demo: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
+# The tiers: pytest.ini's markers, tests/conftest.py's pytest_collection_modifyitems.
 test: lint
+	$(PY) -m pytest -q --durations=15 -m "not full"
+
+test-all: lint
 	$(PY) -m pytest -q --durations=15
 
 bench: $(VENV)/.installed

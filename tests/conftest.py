@@ -172,6 +172,24 @@ def reference_run(tiny_data, tmp_path_factory, plain) -> SimpleNamespace:
     return SimpleNamespace(out=out, result=res, epochs=REFERENCE_EPOCHS)
 
 
+# ---------------------------------------------------------------- tiers
+# `make test` runs `pytest -m "not full"`: every test that runs in pytest's own process (the gloo
+# ranks tests/dist_helpers.py forks included) and the training runs marked `fast`: 2 processes
+# against 1, a stop and its exact continuation, the recipe. A `fast` test also pays for the shared
+# runs it uses (reference_run: 3 epochs), so `fast` goes on tests of the runs already paid for.
+# `make test-all` runs every test.
+STARTS_TRAINING = {"plain", "sbatch"}  # fixtures that start training processes (sbatch: SLURM)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``full`` each test that starts training processes, unless it is marked ``fast``: one
+    that uses ``plain`` (so ``ranks``, ``torchrun``, ``launched`` and ``reference_run`` too) or a
+    SLURM job. A test that starts a run otherwise is marked ``full`` where it is defined."""
+    for item in items:
+        if STARTS_TRAINING & set(item.fixturenames) and not item.get_closest_marker("fast"):
+            item.add_marker(pytest.mark.full)
+
+
 # ---------------------------------------------------------------- plain python, forked
 _DRIVER = r"""
 import atexit, importlib, json, os, runpy, select, sys, traceback

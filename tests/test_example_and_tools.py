@@ -90,6 +90,7 @@ def test_example_stops_on_sigterm_saves_and_the_rerun_ends_as_if_never_stopped(e
     assert all(torch.equal(a, b) for a, b in zip(*momentum)) and momentum[0]
 
 
+@pytest.mark.full
 def test_multi_train_utils_and_example_work_copied_alone(tmp_path):
     """Copy only multi_train_utils/ (and the example): every module imports, the example trains,
     and nothing of the repository's top-level scripts was needed."""
@@ -128,6 +129,7 @@ def files_to_copy(heading: str) -> list[str]:
     return [n for n in re.findall(r"`([^`]+)`", item) if n.endswith(("/", ".py"))]
 
 
+@pytest.mark.full
 def test_own_project_names_the_files_to_copy_and_they_suffice(tiny_data, tmp_path):
     """The files docs/own-project.md lists for image classification, copied alone, train a run
     and import the other tools; for any model and data it lists multi_train_utils/ alone."""

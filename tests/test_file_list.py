@@ -133,6 +133,7 @@ def test_bad_images_are_found_at_load_time_and_a_continued_run_keeps_the_list(ti
     assert listed() == found and [m["epoch"] for m in read_metrics(out)] == [0, 1]
 
 
+@pytest.mark.fast
 def test_a_two_process_run_stores_the_list_it_trained_on(reference_run, tiny_data):
     stored_list = scan_image_folder(tiny_data, verify=False, reuse=reference_run.out)
     fresh = scan_image_folder(tiny_data, verify=False)

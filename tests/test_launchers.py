@@ -47,6 +47,7 @@ def check_run_folder(out: Path, epochs: int, world_size: int) -> None:
 
 
 # ---------------------------------------------------------------- the four ways to start
+@pytest.mark.fast
 def test_torchrun_two_processes(reference_run):
     check_run_folder(reference_run.out, reference_run.epochs, world_size=2)
     # lr = --lr x 2 processes (linear scaling), on a cosine over the 3 epochs.
@@ -54,6 +55,7 @@ def test_torchrun_two_processes(reference_run):
     assert lrs == pytest.approx([0.002 * cosine(e, 3) for e in range(3)], rel=1e-9)
 
 
+@pytest.mark.fast
 def test_weights_are_bare_and_load_strictly_into_torchvision_resnet18(reference_run):
     out = reference_run.out
     final = load_ckpt(out / "checkpoint.pth")["model"]
@@ -145,6 +147,7 @@ def probed_run(messy, tmp_path_factory, plain):
     return out, val, probe.records()
 
 
+@pytest.mark.fast
 def test_torchrun_trains_through_a_messy_folder_and_lists_what_it_skipped(probed_run):
     out, _, _ = probed_run
     check_run_folder(out, epochs=2, world_size=2)
@@ -153,6 +156,7 @@ def test_torchrun_trains_through_a_messy_folder_and_lists_what_it_skipped(probed
     assert sorted(Path(line.split("\t")[0]).name for line in listed) == sorted(MESSY)
 
 
+@pytest.mark.fast
 def test_cpu_syncbatchnorm_is_on_in_a_two_process_run(probed_run):
     _, _, records = probed_run
     for rank in (0, 1):
@@ -161,6 +165,7 @@ def test_cpu_syncbatchnorm_is_on_in_a_two_process_run(probed_run):
         assert all("Sync" in name for name in ddp["norms"]), ddp["norms"]
 
 
+@pytest.mark.fast
 def test_each_rank_trains_on_its_own_share(probed_run):
     _, _, records = probed_run
     shares = {}
@@ -181,6 +186,7 @@ def test_each_rank_trains_on_its_own_share(probed_run):
     assert shares[0, 0]["indices"] != shares[0, 1]["indices"]
 
 
+@pytest.mark.fast
 def test_evaluation_scores_each_val_image_exactly_once(probed_run):
     out, _, records = probed_run
     evals = {rank: [r for r in records[rank] if r["kind"] == "eval"] for rank in (0, 1)}
@@ -195,6 +201,7 @@ def test_evaluation_scores_each_val_image_exactly_once(probed_run):
         [e["correct"] / VAL_IMAGES for e in evals[0]], abs=1e-6)
 
 
+@pytest.mark.fast
 def test_two_process_evaluation_equals_one_process(probed_run, messy, plain, tmp_path):
     out, val, _ = probed_run
     res = plain(flags(messy, tmp_path / "eval", "--eval-only", "--val-path", str(val),

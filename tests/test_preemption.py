@@ -151,6 +151,7 @@ def stopped_by_rank1(tiny_data, tmp_path_factory, plain):
     return SimpleNamespace(out=tmp / "run", argv=argv, result=res)
 
 
+@pytest.mark.fast
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_saves_it(stopped_by_rank1):
     res, out = stopped_by_rank1.result, stopped_by_rank1.out
     text = res.stdout + res.stderr
@@ -171,6 +172,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_saves_it(sto
     assert load_ckpt(out / "model_best.pth")["epoch"] == 0
 
 
+@pytest.mark.fast
 def test_the_same_command_continues_at_that_batch_to_the_uninterrupted_weights(
         stopped_by_rank1, reference_run, tmp_path, plain):
     out = clone_run(stopped_by_rank1.out, tmp_path / "run", full=True)

@@ -499,6 +499,7 @@ RESNET50_V2 = ["--lr", "0.05", "--lr-scheduler", "cosineannealinglr", "--lr-warm
                "4"]
 
 
+@pytest.mark.fast
 def test_mobilenet_under_the_resnet50_v2_recipe_stopped_ends_bitwise_as_never_stopped(
         tiny_data, tmp_path, plain):
     """mobilenet_v3_small (dropout, BatchNorm) by name, 2 processes, every recipe piece on: a run

@@ -42,6 +42,7 @@ def stopped_by(code: int, signum: signal.Signals) -> bool:
 
 
 # ---------------------------------------------------------------- what a checkpoint holds
+@pytest.mark.fast
 def test_checkpoint_holds_everything_needed_to_resume(reference_run):
     out, epochs = reference_run.out, reference_run.epochs
     ckpt = load_ckpt(out / "checkpoint.pth")
