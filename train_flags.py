@@ -13,7 +13,6 @@ from demo_data import default_demo_root
 from flags import BoolFlag, HelpFormatter, number, path_flag
 from image_folder import imagenet_layout
 from model import check_model, weights_size
-from multi_train_utils.checkpoint import compare_flags
 from multi_train_utils.checkpoint_io import CheckpointError, load_file
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, get_rank, get_world_size,
                                                  run_on_main)
@@ -192,15 +191,28 @@ def continued_run(state: dict[str, Any], *, path: str, classes: list[str],
 
 def flag_changes(saved: dict[str, Any], flags: dict[str, Any], inert: Collection[str] = ()
                  ) -> tuple[list[str], list[str]]:
-    """The flags a continued run gives other values than the run ``saved``: (refused, applied),
-    by :data:`REFUSED` and :data:`ONE_RUN_ONLY`. ``inert`` (``recipe.inert_flags``): flags this
+    """The flags a continued run gives other values than the run ``saved`` (one it did not
+    record is not compared), as ``--lr 0.05 (the run had 0.01)``: (refused, applied), by
+    :data:`REFUSED` and :data:`ONE_RUN_ONLY`. ``inert`` (``recipe.inert_flags``): flags this
     model does not use, never refused."""
-    given, saved = {k: v for k, v in flags.items() if k not in NOT_COMPARED}, {
-        **BEFORE_RECIPES, **saved}
-    if not (saved.get("ra_sampler") or given.get("ra_sampler")):  # no repeats: --ra-reps unused
+    def flag(key: str, value: Any, bare: bool = False) -> str:
+        name = key.replace("_", "-")
+        if value is None:
+            return f"no --{name}"
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no-{name}"
+        return str(value) if bare else f"--{name} {value}"
+
+    saved, said = {**BEFORE_RECIPES, **saved}, ([], [])
+    if not (saved["ra_sampler"] or flags.get("ra_sampler")):  # no repeats: --ra-reps unused
         inert = {*inert, "ra_reps"}
-    return compare_flags(saved, given, lambda key: key not in inert and (
-        key in REFUSED or key in ONE_RUN_ONLY and None in (given[key], saved[key])))
+    for key, value in sorted(flags.items()):
+        if key in NOT_COMPARED or key not in saved or saved[key] == value:
+            continue
+        refused = key in REFUSED or key in ONE_RUN_ONLY and None in (value, saved[key])
+        said[0 if refused and key not in inert else 1].append(
+            f"{flag(key, value)} (the run had {flag(key, saved[key], bare=True)})")
+    return said
 
 
 # A continued run compares each flag with the run's (docs/resume-and-restarts.md). Refused:

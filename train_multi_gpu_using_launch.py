@@ -14,6 +14,7 @@ the same weights after each step (fsdp: 1/N of them each). The spawn launcher ru
 """
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from augment import get_transforms
 from demo_data import default_demo_root, make_demo_data
-from image_folder import scan_image_folder, split_train_val, write_scan_files
+from image_folder import FolderScan, scan_image_folder, split_train_val, write_scan_files
 from model import freeze_backbone, get_model, load_weights
 from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
                                           TrainState, step_saves)
@@ -35,7 +36,7 @@ from multi_train_utils.distributed_utils import (cleanup, cpus_per_process, init
 from multi_train_utils.guard import guarded, stop_requests
 from multi_train_utils.heartbeat import Heartbeat
 from multi_train_utils.recipe import BatchMix, ModelEma, inert_flags, lr_schedule, make_optimizer
-from multi_train_utils.run_folder import rerun_hint, write_metrics
+from multi_train_utils.run_folder import rerun_hint
 from multi_train_utils.strategy import shard_model
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import (evaluate, format_report, resolve_amp_dtype,
@@ -143,13 +144,11 @@ def main(args: argparse.Namespace) -> None:
             0]["lr"], inert=inert_flags(model_without_ddp)))
         scan.resume_epoch(train.progress, train.saved, out, train_paths)  # its own images
     scheduler = lr_schedule(optimizer, **schedule_kwargs(args), start_epoch=train.epoch)
-    run_on_main(write_metrics, out, train.metrics)  # each finished epoch once, as saved
+    run_on_main(write_run_files, out, scan, train)  # rank 0 alone writes: the others would race
     if train.epoch >= args.epochs:
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out,
                  train.epoch - 1, args.epochs)
         return cleanup()
-    run_on_main(write_scan_files, out, scan)  # rank 0 alone writes: the others would race
-    run_on_main(write_json_atomic, out / "args.json", train.flags)
     writer = tensorboard_writer(out, train.epoch, train_set) if args.tensorboard else None
     log.info("%d process(es) on %s, %d images per step, lr %.3g, %d loader workers, amp %s, "
              "epochs %d-%d", info.world_size, device, images_per_step,
@@ -184,6 +183,16 @@ def main(args: argparse.Namespace) -> None:
             if not last and stop.poll(lag=False):  # a signal during evaluation or the save
                 stop.stop()
     cleanup()
+
+
+def write_run_files(out: Path, scan: FolderScan, train: TrainState) -> None:
+    """The run's files beside its checkpoint: ``metrics.jsonl`` as the checkpoint records it
+    (each finished epoch once, though the last attempt died before its line), the image list
+    and its plots, and ``args.json``."""
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train.metrics),
+                                       encoding="utf-8")
+    write_scan_files(out, scan)
+    write_json_atomic(out / "args.json", train.flags)
 
 
 if __name__ == "__main__":

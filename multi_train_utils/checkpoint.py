@@ -1,20 +1,16 @@
-"""One checkpointer of a run's resumable parts, each registered once; saving and loading are one
+"""One checkpointer of a run's resumable parts: each registered once, saved and loaded in one
 call each, under DDP (one file) and FSDP (each rank's shards) alike.
 
     checkpointer = Checkpointer(out, {"model": ModelState(model),
                                       "optimizer": OptimizerState(model, optimizer),
                                       "scaler": scaler, "rng_states": RNGState(), "train": train})
-    checkpointer.load(path)   # --eval-only registers the model alone and loads only it
-    checkpointer.save()       # every rank calls it; an epoch's end: save(record=..., is_best=...)
+    checkpointer.load(path)   # --eval-only registers the model alone
+    checkpointer.save()       # every rank; at an epoch's end save(record=..., is_best=...)
 
-A part is anything with ``state_dict()`` and ``load_state_dict()`` (``Stateful``, as
-``torch.distributed.checkpoint`` and torchtitan's checkpointer take them): a new resumable piece
-of one's own is one more entry. A run folder holds ``checkpoint.pth`` (every part; written last,
-so it always marks a complete save), ``model_best.pth`` (the same, of the best epoch),
-``weights/model-N.pth`` (bare state dicts, as torchvision's) and ``metrics.jsonl``. The train
-state's fields (epoch, metrics, the run's flags, ...) are the file's top-level keys, as in
-torchvision's checkpoints. Under FSDP the model and optimizer are written as DCP shards to a
-folder ``checkpoint.pth`` names; either kind loads under either strategy, at any world size.
+A part is anything with ``state_dict()`` and ``load_state_dict()`` (torch's ``Stateful``, as
+torchtitan's checkpointer takes them). ``checkpoint.pth`` holds every part, the train state's
+fields as its top-level keys (torchvision's layout), and is written last in a save; the files of
+a run folder are in docs/resume-and-restarts.md.
 """
 
 from __future__ import annotations
@@ -327,27 +323,6 @@ def step_saves(stop: StopRequest, save: Callable[[], None], every: int = 0
         return stopping
 
     return after_step
-
-
-def compare_flags(saved: dict[str, Any], given: dict[str, Any], refused: Callable[[str], bool]
-                  ) -> tuple[list[str], list[str]]:
-    """The flags of ``given`` whose values differ from the run's ``saved`` ones (a flag the run
-    did not record is not compared), as ``--lr 0.05 (the run had 0.01)``: (refused, applied);
-    ``refused(key)`` says which a continued run cannot change."""
-    def flag(key: str, value: Any, bare: bool = False) -> str:
-        name = key.replace("_", "-")
-        if value is None:
-            return f"no --{name}"
-        if isinstance(value, bool):
-            return f"--{name}" if value else f"--no-{name}"
-        return str(value) if bare else f"--{name} {value}"
-
-    said: tuple[list[str], list[str]] = ([], [])
-    for key, value in sorted(given.items()):
-        if key in saved and saved[key] != value:
-            said[0 if refused(key) else 1].append(
-                f"{flag(key, value)} (the run had {flag(key, saved[key], bare=True)})")
-    return said
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -3,12 +3,10 @@ from; an earlier run moved aside, never overwritten; the line that says how to c
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from .checkpoint_io import CheckpointError
 
@@ -92,10 +90,3 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
         inside = full.relative_to(root).parts if full.is_relative_to(root) else ()
         now.append(str(aside.joinpath(*inside)) if inside and inside[0] in found else path)
     return now[0], now[1]
-
-
-def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
-    """``metrics.jsonl`` as the checkpoint records it: each finished epoch once, even if the last
-    attempt died between its checkpoint and its metrics line."""
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history),
-                                       encoding="utf-8")

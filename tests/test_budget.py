@@ -52,7 +52,7 @@ def test_the_sources_are_measured():
     names = {p.relative_to(ROOT).as_posix() for p in source_files()}
     assert {"train_multi_gpu_using_launch.py", "train_multi_gpu_using_spawn.py",
             "multi_train_utils/checkpoint.py", "multi_train_utils/guard.py", "image_folder.py",
-            "augment.py", "demo_data.py", "flags.py", "run_log.py"} <= names
+            "augment.py", "demo_data.py", "flags.py", "run_log.py", "train_flags.py"} <= names
     assert not {"train_common.py", "utils.py"} & names  # deleted in the redesign
     # The benchmarks/ package is left out here and has budgets of its own (below).
     benchmarks = {p.relative_to(ROOT).as_posix() for p in benchmark_files()}
@@ -65,28 +65,54 @@ def test_source_is_at_most_4700_lines():
     assert sum(sizes.values()) <= 4700, sorted(sizes.items(), key=lambda kv: -kv[1])
 
 
-def test_no_file_over_700_lines():
-    over = {p.name: n for p in source_files() if (n := lines(p)) > 700}
+def test_no_file_over_450_lines():
+    over = {p.name: n for p in source_files() if (n := lines(p)) > 450}
     assert not over, over
 
 
-def test_no_function_over_80_lines():
+def test_no_function_over_60_lines():
     over = []
     for path in source_files():
         for node in functions(path):
-            limit = 150 if node.name in ("main", "get_args_parser") else 80
+            limit = 150 if node.name in ("main", "get_args_parser") else 60
             if length(node) > limit:
                 over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
                             f"{length(node)} > {limit}")
     assert not over, over
 
 
-def test_launcher_and_spawn_budgets():
-    assert lines(LAUNCH) <= 400  # 300, and torchvision's recipe flags
+def launcher_main() -> ast.FunctionDef:
     (main,) = [n for n in ast.parse(LAUNCH.read_text()).body
                if isinstance(n, ast.FunctionDef) and n.name == "main"]
-    assert length(main) <= 150
+    return main
+
+
+def test_launcher_and_spawn_budgets():
+    assert lines(LAUNCH) <= 250  # the recipe; its flags are train_flags.py
+    assert length(launcher_main()) <= 150
     assert lines(SPAWN) <= 150
+
+
+def test_no_call_in_main_takes_more_than_8_keyword_arguments():
+    """A call with more is a group of options: a dataclass (``LoopOptions``) or an adapter."""
+    wide = [f"line {c.lineno}: {ast.unparse(c.func)}" for c in ast.walk(launcher_main())
+            if isinstance(c, ast.Call) and len(c.keywords) > 8]
+    assert not wide, wide
+
+
+def test_the_library_reads_no_argparse_namespace():
+    """``multi_train_utils/`` takes keyword arguments or small dataclasses: no attribute of an
+    ``args``/``cfg``/``opt`` object is read, and nothing imports argparse."""
+    found = []
+    for path in sorted((ROOT / "multi_train_utils").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            read = (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in ("args", "cfg", "opt"))
+            imported = (isinstance(node, (ast.Import, ast.ImportFrom)) and "argparse" in
+                        [a.name for a in node.names] + [getattr(node, "module", None)])
+            if read or imported:
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found
 
 
 def test_benchmark_budgets():
@@ -205,8 +231,7 @@ def called_in_order(function: ast.FunctionDef) -> list[str]:
 
 
 def test_main_shows_every_step_of_the_recipe_in_order():
-    (main,) = [n for n in ast.parse(LAUNCH.read_text()).body
-               if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    main = launcher_main()
     names = iter(called_in_order(main))
     missing = [step for step, matches in RECIPE if not any(matches(n) for n in names)]
     assert not missing, f"main() does not call, in order: {missing}\n{called_in_order(main)}"
