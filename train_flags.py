@@ -235,8 +235,8 @@ RUN_DEFAULTS = {"model": "resnet34", "img_size": 224, "val_resize_size": None,
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help,
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description="Data-parallel image classification: DDP or FSDP.",
+                                     add_help=add_help, formatter_class=HelpFormatter)
     count, positive, nonnegative = number(int, 1), number(float, 0, above=True), number(float, 0)
     fraction, seed = number(float, 0, 1), number(int, 0, 2**32 - 1)  # numpy's seed range
     group = parser.add_argument_group("data")

@@ -92,13 +92,13 @@ def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Ten
     return dict(obj)
 
 
-def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, head: str = "fc",
-                          state: dict[str, torch.Tensor] | None = None
-                          ) -> tuple[list[str], list[str]]:
-    """Load the tensors of ``path`` (or ``state``, read already; ``path`` then only names it)
-    whose names and shapes fit ``model``, e.g. all but a 1000-class classifier ``head`` (its
-    top-level module). Returns (the file's keys left out, the model's keys left as initialised).
-    Weights of another architecture (backbone shapes differ) are refused, not mixed in."""
+def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: str = "fc",
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+    """``--weights``: load the tensors of ``path`` (or ``state``, read already; ``path`` then
+    only names it) whose names and shapes fit ``model``, e.g. all but a 1000-class classifier
+    ``head`` (its top-level module), and say what did not. Weights of another architecture
+    (backbone shapes differ) are refused, not mixed in. ``strict`` (evaluation): every tensor of
+    the model must come from the file."""
     state = extract_state_dict(load_file(path), path) if state is None else state
     own = unwrap(model).state_dict()
     other = [k for k in state if k in own and own[k].shape != state[k].shape
@@ -109,23 +109,14 @@ def load_matching_weights(model: nn.Module, path: str | os.PathLike, *, head: st
                               "for another --model?")
     fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     unwrap(model).load_state_dict(fitting, strict=False)
-    return sorted(state.keys() - fitting.keys()), sorted(own.keys() - fitting.keys())
-
-
-def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: str = "fc",
-                    state: dict[str, torch.Tensor] | None = None) -> None:
-    """``--weights``: start from every tensor that fits, and say what did not; ``head`` and
-    ``state`` as in :func:`load_matching_weights`. ``strict`` (evaluation): every tensor of the
-    model must come from the file."""
-    skipped, missing = load_matching_weights(model, path, head=head, state=state)
+    skipped, missing = sorted(state.keys() - fitting.keys()), sorted(own.keys() - fitting.keys())
     if strict and missing:
         raise CheckpointError(f"{path} does not fit this model and data ({len(missing)} "
                               f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
                               "accuracy would be meaningless; pass its --model and data.")
-    total = len(unwrap(model).state_dict())
     new = sorted({k.rsplit(".", 1)[0] for k in missing if k.startswith(f"{head}.")})  # layers
-    log.info("loaded %s: %d of the model's %d tensors%s", path, total - len(missing), total,
-             f"; new for the data's classes: {', '.join(new)}" if new else "")
+    log.info("loaded %s: %d of the model's %d tensors%s", path, len(own) - len(missing),
+             len(own), f"; new for the data's classes: {', '.join(new)}" if new else "")
     if any(not k.startswith(f"{head}.") for k in [*missing, *skipped]):
         log.warning("%s and the model differ beyond the classifier (%d tensor(s) of the model "
                     "not loaded, %d of the file unused)", path, len(missing), len(skipped))
