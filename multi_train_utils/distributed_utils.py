@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from .guard import UserError, stop_signals_to
 
-# Seconds a collective waits for a peer: start-up (a slow rank may still list its data), an
-# evaluation, a save and the step after it; any other step (docs/errors-and-troubleshooting.md).
+# Seconds a collective waits: after a slow phase, and else (docs/errors-and-troubleshooting.md).
 LIMITS_S = (600.0, 120.0)
 COMM_HOOKS = ("none", "bf16", "fp16")
 
@@ -128,7 +127,7 @@ def tcp_address(dist_url: str) -> tuple[str, int] | None:
     match = re.fullmatch(r"tcp://([^/]+):([0-9]{1,5})", dist_url)
     if dist_url != "env://" and not match:
         raise LaunchError(f"--dist-url {dist_url!r} is not 'env://' or 'tcp://HOST:PORT'.")
-    return (match[1], int(match[2])) if match else None
+    return (match[1].strip("[]"), int(match[2])) if match else None  # [::1]: an IPv6 host
 
 
 def init_distributed_mode(*, device: str | torch.device = "auto", dist_url: str = "env://",
@@ -236,7 +235,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 def all_ranks_ok(ok: bool) -> bool:
     """True on every rank only if ``ok`` is true on every rank: around work that may fail on
     one rank, so the others stop too instead of waiting in the next collective."""
-    return reduce_value(torch.tensor(int(not ok), device=_collective_device()), False).item() == 0
+    return reduce_value(float(not ok), average=False).item() == 0
 
 
 def run_on_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
