@@ -14,12 +14,11 @@ import logging
 import multiprocessing
 import os
 import sys
-from urllib.parse import urlparse
 
 import torch
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.distributed_utils import find_free_port, tcp_address
 from multi_train_utils.guard import EXIT_USER_ERROR, ConfigError, guarded, stop_signals_to
 from multi_train_utils.run_folder import rerun_hint
 from train_multi_gpu_using_launch import get_args_parser, main
@@ -49,11 +48,8 @@ def world_size_of(device: str, world_size: int | None) -> int:
 
 def rendezvous(dist_url: str) -> tuple[str, int]:
     """Where the processes meet: --dist-url tcp://HOST:PORT, MASTER_ADDR/PORT, or a free port."""
-    if dist_url.startswith("tcp://"):
-        url = urlparse(dist_url)
-        if url.hostname is None or url.port is None:
-            raise ConfigError(f"--dist-url {dist_url} is not tcp://HOST:PORT.")
-        return url.hostname, url.port
+    if address := tcp_address(dist_url):
+        return address
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     return addr, int(os.environ.get("MASTER_PORT") or find_free_port())
 

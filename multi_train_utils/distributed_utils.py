@@ -1,9 +1,7 @@
 """Process-group set-up and the small rank helpers every training loop needs.
 
 Every helper answers sensibly without a process group (rank 0, world size 1, value unchanged), so
-``python train.py`` and ``torchrun --nproc_per_node=8 train.py`` run the same lines. Ranks come
-from torchrun, ``torch.distributed.launch --use_env`` or our spawn launcher (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), else from SLURM's ``srun``.
+``python train.py`` and ``torchrun --nproc_per_node=8 train.py`` run the same lines.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ import torch.distributed as dist
 
 from .guard import UserError, stop_signals_to
 
-# Seconds a collective waits for a peer: start-up (a slow rank may still list its data), an
-# evaluation, a save and the step after it; any other step (docs/errors-and-troubleshooting.md).
+# Seconds a collective waits: after a slow phase, and else (docs/errors-and-troubleshooting.md).
 LIMITS_S = (600.0, 120.0)
 COMM_HOOKS = ("none", "bf16", "fp16")
 
@@ -44,7 +41,7 @@ class DistInfo:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     backend: str | None = None
-    timeouts: tuple[float, float] = LIMITS_S  # a collective's limit after a slow phase, and else
+    timeouts: tuple[float, float] = LIMITS_S
 
     @property
     def distributed(self) -> bool:  # a launcher's group of one counts: DDP needs the group
@@ -125,12 +122,19 @@ def _elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"start{start}-world{world}", store)
 
 
+def tcp_address(dist_url: str) -> tuple[str, int] | None:
+    """``--dist-url tcp://HOST:PORT`` as (HOST, PORT); None for ``env://`` (the launcher's)."""
+    match = re.fullmatch(r"tcp://([^/]+):([0-9]{1,5})", dist_url)
+    if dist_url != "env://" and not match:
+        raise LaunchError(f"--dist-url {dist_url!r} is not 'env://' or 'tcp://HOST:PORT'.")
+    return (match[1].strip("[]"), int(match[2])) if match else None  # [::1]: an IPv6 host
+
+
 def init_distributed_mode(*, device: str | torch.device = "auto", dist_url: str = "env://",
                           timeout_s: float | None = None, trace_dir: str | None = None
                           ) -> DistInfo:
     """Create the default process group if a launcher started us; return where we are.
-    ``device``: ``auto`` (the local rank's GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` (one
-    process); NCCL on CUDA, gloo on CPU. ``timeout_s`` bounds every collective (a dead peer is an
+    ``device``: see :func:`pick_device`. ``timeout_s`` bounds every collective (a dead peer is an
     error, not a hang; None: :data:`LIMITS_S`, which a :class:`~.heartbeat.Heartbeat` applies by
     phase); NCCL's flight recorder dumps into ``trace_dir`` on a timeout."""
     env = _read_env()
@@ -142,11 +146,10 @@ def init_distributed_mode(*, device: str | torch.device = "auto", dist_url: str 
         return DistInfo(get_rank(), local_rank, get_world_size(), dev, dist.get_backend(), limits)
     if env is None:
         return DistInfo(device=dev, timeouts=limits)
-    if dist_url == "env://" and not (os.environ.get("MASTER_ADDR") and _env_int("MASTER_PORT", 0)):
+    if not tcp_address(dist_url) and not (os.environ.get("MASTER_ADDR")
+                                          and _env_int("MASTER_PORT", 0)):
         raise LaunchError("RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not; "
                           "start the processes with torchrun.")
-    if dist_url != "env://" and not re.fullmatch(r"tcp://[^/]+:[0-9]{1,5}", dist_url):
-        raise LaunchError(f"--dist-url {dist_url!r} is not 'env://' or 'tcp://HOST:PORT'.")
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=limits[0])
     # PyTorch's flight recorder: each rank's last collectives, dumped on a timeout, unless
@@ -232,7 +235,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 def all_ranks_ok(ok: bool) -> bool:
     """True on every rank only if ``ok`` is true on every rank: around work that may fail on
     one rank, so the others stop too instead of waiting in the next collective."""
-    return reduce_value(torch.tensor(int(not ok), device=_collective_device()), False).item() == 0
+    return reduce_value(float(not ok), average=False).item() == 0
 
 
 def run_on_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -253,15 +256,14 @@ def run_on_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def register_comm_hook(model: torch.nn.Module, name: str) -> None:
     """Compress a ``DistributedDataParallel`` model's gradient all-reduce to ``name`` (torch's
-    ``bf16_compress_hook``/``fp16_compress_hook``); ``"none"`` keeps exact fp32, the default.
-    Worth it where the all-reduce bounds the step (gloo over TCP, GPUs without NVLink)."""
+    ``bf16_compress_hook``/``fp16_compress_hook``); ``"none"`` keeps exact fp32, the default."""
     if name not in COMM_HOOKS:
         raise ValueError(f"comm hook {name!r} is not one of {', '.join(COMM_HOOKS)}.")
     if name != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
-        model.register_comm_hook(None, hook[name])  # None: the default process group
+        hook = getattr(default_hooks, f"{name}_compress_hook")
+        model.register_comm_hook(None, hook)  # None: the default process group
 
 
 def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:

@@ -2,14 +2,8 @@
 
     guarded(main, args, rerun_hint=lambda: "run the same command again")
 
-- A user's mistake (``UserError``: flags, data, files) is one ``error: ...`` line, exit code 2.
-- A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2, Ctrl-\\) unwinds like a KeyboardInterrupt: every
-  ``finally`` runs, nothing is left behind; exit code 128 + the signal and one line saying how
-  to continue. In training (``stop_requests()``) all but SIGQUIT ask to stop: :class:`StopRequest`.
-- torch's run failures (a lost peer, a collective past ``--dist-timeout``, a DataLoader worker
-  dead or silent, a full disk) are torch's first line plus how to continue, exit code 1.
-  Anything else is a bug and keeps its traceback.
-- A rank started by a launcher dies with it (Linux): a ``kill -9`` of torchrun leaves no orphans.
+Each way a run ends has its exit code and one line (docs/errors-and-troubleshooting.md); a stop
+signal unwinds like a KeyboardInterrupt, so every ``finally`` runs; a bug keeps its traceback.
 """
 
 from __future__ import annotations
@@ -62,7 +56,8 @@ def die_with_launcher() -> None:
     """Ask Linux to SIGTERM this process when its parent (torchrun, the spawn launcher) dies: a
     launcher killed with SIGKILL cannot stop its ranks, and orphans would keep the output folder
     busy. Not for a plain ``python`` run, which must outlive its shell under nohup."""
-    if sys.platform.startswith("linux"):
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "DDP_SPAWNED" in os.environ
+    if launched and sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1  # <linux/prctl.h>
@@ -122,12 +117,10 @@ def _end_loader_workers() -> None:
 
 
 class StopRequest:
-    """Within :func:`stop_requests`: the first stop signal a rank gets only sets :attr:`signum`;
-    training goes on to an optimizer step at which all ranks agree to stop (:meth:`poll`), saves
-    there and exits. Repeats (launchers and terminals pass copies on) are that stop; SIGQUIT
-    (Ctrl-\\) stops at once, unsaved. As a ``kill`` may reach one rank only, every rank
-    all-reduces its flag (MAX) after each step on the CPU (gloo; under NCCL in a group of its
-    own, read a step later: the host waits neither for the GPU nor for the network)."""
+    """Within :func:`stop_requests` a stop signal only sets :attr:`signum`; the ranks stop at the
+    step :meth:`poll` agrees on (docs/resume-and-restarts.md), SIGQUIT at once. The flags are
+    all-reduced on the CPU (gloo; under NCCL in a group of its own, read a step later): the
+    host waits neither for the GPU nor for the network."""
 
     def __init__(self) -> None:
         self.signum = 0  # the first stop signal this rank got, or 0
@@ -195,13 +188,11 @@ def _exit_at_once(signum: int, frame: Any) -> None:
 
 def _is_run_failure(exc: BaseException) -> bool:
     """torch's errors for a run that failed outside this process's code: peers, loader, disk."""
-    if isinstance(exc, (OSError, FloatingPointError, dist.DistError)):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        words in text for words in ("DataLoader worker", "DataLoader timed out", "gloo", "NCCL",
-                                    "Connection closed by peer", "Connection reset by peer",
-                                    "pair closure", "timed out", "Timed out"))
+    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""
+    return isinstance(exc, (OSError, FloatingPointError, dist.DistError)) or any(
+        words in text for words in ("dataloader worker", "gloo", "nccl", "timed out",
+                                    "pair closure", "connection closed by peer",
+                                    "connection reset by peer"))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -220,12 +211,11 @@ def _stop(code: int, message: str, *, say: bool, rank: int) -> NoReturn:
 
 def guarded(main: Callable[[Any], None], args: Any,
             rerun_hint: Callable[[], str] = lambda: "run the same command again") -> None:
-    """Run ``main(args)`` with the behaviour in the module docstring; ``rerun_hint()``, called
+    """Run ``main(args)`` as the module docstring says; ``rerun_hint()``, called
     when the run stops, says how to continue (it can look at what was saved by then)."""
     rank, local_rank = _env_int("RANK", "SLURM_PROCID"), _env_int("LOCAL_RANK", "SLURM_LOCALID")
     setup_logging(rank)
-    if "TORCHELASTIC_RUN_ID" in os.environ or "DDP_SPAWNED" in os.environ:
-        die_with_launcher()
+    die_with_launcher()
     _received.clear()  # the first stop signal: a peer lost after it is its doing
 
     def on_signal(signum: int, frame: Any) -> None:
