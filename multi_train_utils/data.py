@@ -14,9 +14,8 @@ from torch.utils.data import DistributedSampler
 
 @dataclass
 class EpochProgress:
-    """How far an epoch got, kept up to date by ``train_one_epoch``; saved mid-epoch, it
-    lets a rerun continue at that batch (:class:`ResumableSampler` deals the rest). ``loss`` is
-    this rank's ``(loss sum, sample count)``."""
+    """How far an epoch got, kept up to date by ``train_one_epoch`` and saved mid-epoch;
+    ``loss`` is this rank's ``(loss sum, sample count)``."""
 
     batches: int = 0  # trained on each rank, of batches_in_epoch
     samples: int = 0  # trained over all ranks: a prefix of the sampler's order

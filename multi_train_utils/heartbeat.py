@@ -34,9 +34,8 @@ STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its
 
 
 class Heartbeat:
-    """A context manager: in the block a thread beats, and an error that leaves it carries
-    ``missing_ranks``, this heartbeat's :meth:`missing`, which :func:`guard.guarded` calls for a
-    failed collective."""
+    """A context manager: an error that leaves the block carries ``missing_ranks`` (this
+    heartbeat's :meth:`missing`), which :func:`guard.guarded` calls for a failed collective."""
 
     def __init__(self, info: DistInfo) -> None:
         self.rank, self.world_size, self.limits = info.rank, info.world_size, info.timeouts

@@ -221,10 +221,9 @@ class _EpochLog:
                             "IterableDataset a __len__ (its batches per rank).") from None
         self.epoch, self.first, self.print_freq = epoch, first, print_freq
         self.heartbeat, self.start = heartbeat, time.perf_counter()
-        self.bar = is_main_process() and sys.stdout.isatty()
         self.batches = tqdm(prefetch_to_device(data_loader, device), total=first + steps,
-                            initial=first, file=sys.stdout, disable=not self.bar,
-                            desc=f"[train epoch {epoch}]", dynamic_ncols=True)
+                            initial=first, disable=not (is_main_process() and sys.stdout.isatty()),
+                            file=sys.stdout, desc=f"[train epoch {epoch}]", dynamic_ncols=True)
 
     def mean_loss(self, totals: torch.Tensor, step: int) -> tuple[float, str]:
         """The mean loss over every rank's samples so far, and in the same all-reduce each rank's
@@ -245,7 +244,7 @@ class _EpochLog:
         epoch, first, steps = self.epoch, self.first, self.steps
         mean_loss, slow = self.mean_loss(totals, first + step)
         self.batches.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
-        if is_main_process() and not self.bar:
+        if is_main_process() and self.batches.disable:  # no bar: a log line
             elapsed = time.perf_counter() - self.start
             eta = round(elapsed / (step + 1) * (steps - step - 1))
             log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
