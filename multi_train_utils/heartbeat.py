@@ -5,8 +5,7 @@
 
 The loops and the save call ``heartbeat.at(phase, ...)`` (no I/O, no collective); a thread writes
 the place to the store once a second. The group's timeout follows the phase
-(docs/errors-and-troubleshooting.md). Without a process group the block does nothing.
-"""
+(docs/errors-and-troubleshooting.md)."""
 
 from __future__ import annotations
 
