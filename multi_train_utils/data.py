@@ -14,9 +14,8 @@ from torch.utils.data import DistributedSampler
 
 @dataclass
 class EpochProgress:
-    """How far an epoch got, kept up to date by ``train_one_epoch``; saved mid-epoch, it
-    lets a rerun continue at that batch (:class:`ResumableSampler` deals the rest). ``loss`` is
-    this rank's ``(loss sum, sample count)``."""
+    """How far an epoch got, kept up to date by ``train_one_epoch`` and saved mid-epoch;
+    ``loss`` is this rank's ``(loss sum, sample count)``."""
 
     batches: int = 0  # trained on each rank, of batches_in_epoch
     samples: int = 0  # trained over all ranks: a prefix of the sampler's order
@@ -31,47 +30,39 @@ class ResumableSampler(DistributedSampler):
     """``DistributedSampler`` whose epoch can start part-way: after ``set_epoch(epoch, skip=k)``
     it deals only what follows the first ``k`` samples of the epoch's order (skipped unread). The
     order is the same at any world size (but with ``repeats``), so the rest can go to another
-    number of ranks, dealt as ``DistributedSampler`` does; with the same world size each rank
-    gets the rest of its own.
+    number of ranks; with the same world size each rank gets the rest of its own.
     ``indices[i]``: the dataset's index of item i of the list the epoch began with (-1: gone).
 
     ``repeats`` r > 1 (``--ra-sampler``, repeated augmentation, arXiv:1901.09335) deals each
-    image r times in a row, copy j as index ``i + j * len(dataset)`` (``MyDataSet`` reads image
-    i and augments each copy apart), and ends the epoch after ``len(dataset) // W`` samples a
-    rank, as torchvision's ``RASampler`` does (without its rounding down to 256 images)."""
-
-    skip, rest = 0, None  # rest: a part-way epoch's samples still to deal, in order
+    image r times in a row, copy j as index ``i + j * len(dataset)``, and ends the epoch after
+    ``len(dataset) // W`` samples a rank, as torchvision's ``RASampler`` does (without its
+    rounding down to 256 images)."""
 
     def __init__(self, *args: Any, repeats: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.repeats = repeats
-        self.set_epoch(self.epoch)  # repeats > 1: a loader's length is the epoch's from the start
+        self.set_epoch(self.epoch)  # a loader's length is the epoch's from the start
 
     def set_epoch(self, epoch: int, skip: int = 0, indices: torch.Tensor | None = None) -> None:
+        # The order DistributedSampler draws (seed + epoch): a whole epoch deals just what it does.
         super().set_epoch(epoch)
-        self.skip, self.rest = skip, None  # for this epoch only: the next deals a whole one
-        if skip or indices is not None or self.repeats > 1:
-            n, r = len(self.dataset) if indices is None else len(indices), self.repeats
-            order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
-                     if self.shuffle else torch.arange(n))
-            if r > 1:  # the first n // W * W of the repeated order; copy j of i: i + j * len
-                keep = n // self.num_replicas * self.num_replicas
-                order, copy = order.repeat_interleave(r)[:keep], torch.arange(keep) % r
-            order = order if indices is None else indices[order]
-            if r > 1:
-                order = torch.where(order >= 0, order + copy * len(self.dataset), -1)
-            self.rest, self.order = order[skip:][order[skip:] >= 0], order[order >= 0]
+        self.skip = skip  # for this epoch only: the next deals a whole one
+        n, r = len(self.dataset) if indices is None else len(indices), self.repeats
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+                 if self.shuffle else torch.arange(n))
+        order = order if indices is None else indices[order]
+        if r > 1:  # the first n // W * W of the repeated order; copy j of i: i + j * len
+            keep = n // self.num_replicas * self.num_replicas
+            order, copy = order.repeat_interleave(r)[:keep], torch.arange(keep) % r
+            order = torch.where(order >= 0, order + copy * len(self.dataset), -1)
+        self.rest, self.order = order[skip:][order[skip:] >= 0], order[order >= 0]
 
     def __iter__(self) -> Iterator[int]:
-        if self.rest is None:
-            return super().__iter__()
         size = len(self) * self.num_replicas  # padded with the order's start
         rest = torch.cat([self.rest, self.order.repeat(-(-size // max(len(self.order), 1)))])
         return iter(rest[:size][self.rank::self.num_replicas].tolist())
 
     def __len__(self) -> int:
-        if self.rest is None:
-            return super().__len__()
         rest, world = len(self.rest), self.num_replicas
         return rest // world if self.drop_last else -(-rest // world)
 
@@ -100,12 +91,9 @@ def prefetch_to_device(batches: Iterable[Any], device: torch.device) -> Iterator
                 x.record_stream(compute)  # allocator must not reuse it before compute is done
         return batch, done
 
-    ahead = None  # (batch, event) whose copy or decode is under way
-    for batch in batches:
-        ready, ahead = ahead, start(batch)
-        if ready is not None:
-            compute.wait_event(ready[1])  # queued before the step that uses it: its work alone
-            yield ready[0]
-    if ahead is not None:
-        compute.wait_event(ahead[1])
-        yield ahead[0]
+    started = map(start, batches)  # lazily: each batch's copy or decode starts a step ahead
+    ahead = next(started, None)  # (batch, event) whose copy or decode is under way
+    while ahead is not None:
+        ready, ahead = ahead, next(started, None)
+        compute.wait_event(ready[1])  # queued before the step that uses it: its work alone
+        yield ready[0]

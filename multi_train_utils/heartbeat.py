@@ -5,8 +5,7 @@
 
 The loops and the save call ``heartbeat.at(phase, ...)`` (no I/O, no collective); a thread writes
 the place to the store once a second. The group's timeout follows the phase
-(docs/errors-and-troubleshooting.md). Without a process group the block does nothing.
-"""
+(docs/errors-and-troubleshooting.md)."""
 
 from __future__ import annotations
 
@@ -34,12 +33,10 @@ STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its
 
 
 class Heartbeat:
-    """A context manager: in the block a thread beats, and an error that leaves it carries
-    ``missing_ranks``, this heartbeat's :meth:`missing`, which :func:`guard.guarded` calls for a
-    failed collective."""
+    """A context manager: an error that leaves the block carries ``missing_ranks`` (this
+    heartbeat's :meth:`missing`), which :func:`guard.guarded` calls for a failed collective."""
 
     def __init__(self, info: DistInfo) -> None:
-        # limits: seconds a collective waits after a slow phase, and else.
         self.rank, self.world_size, self.limits = info.rank, info.world_size, info.timeouts
         self.store, self.place, self.own, self.read = None, {}, 0.0, time.monotonic()
 
@@ -129,8 +126,8 @@ def _where(place: dict[str, Any]) -> str:
 
 def slowest(work: list[float], seconds: float) -> str:
     """``rank R is the slowest: ...`` when one rank's own work (seconds per rank, over the same
-    ``seconds`` of steps) is clearly longer than the other ranks' median: every step waits for
-    it, long enough to matter (a tenth of the time: a step's own noise is not named)."""
+    ``seconds`` of steps) is over twice the others' median, by a tenth of ``seconds`` or more
+    (less is a step's own noise)."""
     rank = max(range(len(work)), key=work.__getitem__)
     median = statistics.median(work[:rank] + work[rank + 1:] or [work[rank]])
     if work[rank] <= 2 * median or work[rank] - median < seconds / 10:  # noise reaches 1.6x

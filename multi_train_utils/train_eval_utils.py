@@ -14,19 +14,19 @@ import math
 import numbers
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from .data import EpochProgress, prefetch_to_device
-from .distributed_utils import get_rank, get_world_size, is_main_process, reduce_value
+from .distributed_utils import (all_gather_object, get_rank, get_world_size, is_main_process,
+                                reduce_value)
 from .guard import ConfigError
 from .heartbeat import Heartbeat, slowest
 from .strategy import gradient_sync
@@ -119,8 +119,7 @@ def _check_probabilities(labels: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class LoopOptions:
     """How :func:`train_one_epoch` (all) and :func:`evaluate` (precision, layout) run a batch;
-    the defaults are the classic loop's: fp32, one batch a step, no clipping, a log line every 50
-    steps (where no tqdm bar shows)."""
+    the defaults are the classic loop's."""
 
     amp_dtype: torch.dtype | None = None  # autocast's (resolve_amp_dtype); None: fp32
     channels_last: bool = False  # NHWC images
@@ -151,14 +150,13 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     epoch ends there with ``progress.stopped`` set. ``mix`` mixes each batch (``recipe.BatchMix``);
     ``ema.after_step`` follows each step (``recipe.ModelEma``); ``heartbeat`` hears where this
     rank is (:mod:`.heartbeat`)."""
-    opts, steps = options or LoopOptions(), _length(data_loader)
-    accum, progress = opts.grad_accum_steps, progress if progress is not None else EpochProgress()
+    opts, progress = options or LoopOptions(), progress if progress is not None else EpochProgress()
     first, samples, seen, world = progress.batches, progress.samples, 0, get_world_size()
+    shown = _EpochLog(data_loader, device, epoch, first, opts.print_freq, heartbeat)
+    accum, steps = opts.grad_accum_steps, shown.steps
     progress.batches_in_epoch = first + steps
     progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
     model.train()
-    shown = _EpochLog(prefetch_to_device(data_loader, device), epoch, first, steps, opts.print_freq,
-                      heartbeat)
     mean_loss = shown.mean_loss(totals, first)[0] if steps == 0 else float("nan")
     optimizer.zero_grad(set_to_none=True)
     beat = heartbeat.at if heartbeat is not None else (lambda phase, **where: None)
@@ -191,14 +189,6 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     return mean_loss  # the last step always reduced: no second all-reduce
 
 
-def _length(data_loader: DataLoader) -> int:
-    try:
-        return len(data_loader)  # it sets the last accumulation group
-    except TypeError:
-        raise TypeError("train_one_epoch needs a data loader with a length; give the "
-                        "IterableDataset a __len__ (its batches per rank).") from None
-
-
 def _backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, opts: LoopOptions, *,
               group: int, sync: bool, beat: Callable[..., None]) -> torch.Tensor:
     """Forward and backward of one of ``group`` micro-batches (its loss / group: their mean),
@@ -219,21 +209,25 @@ def _backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, opts
 
 
 class _EpochLog:
-    """An epoch's progress: a tqdm bar over ``batches`` on rank 0 in a terminal, else a log line
-    every ``print_freq`` steps; each shows the mean loss so far over every rank's samples."""
+    """An epoch's progress: a tqdm bar on rank 0 in a terminal, else a log line every
+    ``print_freq`` steps; each shows the mean loss so far over every rank's samples."""
 
-    def __init__(self, batches: Iterable[Any], epoch: int, first: int, steps: int,
+    def __init__(self, data_loader: DataLoader, device: torch.device, epoch: int, first: int,
                  print_freq: int, heartbeat: Heartbeat | None) -> None:
-        self.epoch, self.first, self.steps, self.print_freq = epoch, first, steps, print_freq
+        try:
+            self.steps = steps = len(data_loader)  # it sets the last accumulation group
+        except TypeError:
+            raise TypeError("train_one_epoch needs a data loader with a length; give the "
+                            "IterableDataset a __len__ (its batches per rank).") from None
+        self.epoch, self.first, self.print_freq = epoch, first, print_freq
         self.heartbeat, self.start = heartbeat, time.perf_counter()
-        self.bar = is_main_process() and sys.stdout.isatty()
-        self.batches = tqdm(batches, total=first + steps, initial=first, file=sys.stdout,
-                            disable=not self.bar, desc=f"[train epoch {epoch}]", dynamic_ncols=True)
+        self.batches = tqdm(prefetch_to_device(data_loader, device), total=first + steps,
+                            initial=first, disable=not (is_main_process() and sys.stdout.isatty()),
+                            file=sys.stdout, desc=f"[train epoch {epoch}]", dynamic_ncols=True)
 
     def mean_loss(self, totals: torch.Tensor, step: int) -> tuple[float, str]:
-        """The mean loss over every rank's samples so far (a non-finite one raises on every
-        rank), and in the same all-reduce each rank's own work (loading its batches): the
-        slowest, named."""
+        """The mean loss over every rank's samples so far, and in the same all-reduce each rank's
+        own work (loading its batches): the slowest, named."""
         work = totals.new_zeros(get_world_size())  # float64, beside the totals
         heartbeat = self.heartbeat
         work[get_rank()], seconds = heartbeat.own_work() if heartbeat is not None else (0.0, 0.0)
@@ -250,7 +244,7 @@ class _EpochLog:
         epoch, first, steps = self.epoch, self.first, self.steps
         mean_loss, slow = self.mean_loss(totals, first + step)
         self.batches.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
-        if is_main_process() and not self.bar:
+        if is_main_process() and self.batches.disable:  # no bar: a log line
             elapsed = time.perf_counter() - self.start
             eta = round(elapsed / (step + 1) * (steps - step - 1))
             log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
@@ -307,8 +301,9 @@ class EvalResult(int):
                                   loss_sum=self.loss * self.num_samples, confusion=self.confusion)
 
 
-def _val_sampler(data_loader: DataLoader) -> DistributedSampler | None:
-    """The loader's DistributedSampler, if any, once its set-up is checked."""
+def _val_split(data_loader: DataLoader) -> tuple[int, int, float]:
+    """The world size, rank and dataset length of the loader's DistributedSampler, once its set-up
+    is checked; without one, (1, 0, inf): no sample is a padded repeat."""
     batches = data_loader.batch_sampler
     sampler = batches.sampler if isinstance(batches, BatchSampler) else data_loader.sampler
     sampler = sampler if isinstance(sampler, DistributedSampler) else None
@@ -323,7 +318,8 @@ def _val_sampler(data_loader: DataLoader) -> DistributedSampler | None:
                               or getattr(batches, "drop_last", False)):
         log.warning("evaluate: the val loader or its DistributedSampler has drop_last=True, so "
                     "some val samples are never scored; build both with drop_last=False.")
-    return sampler
+    return ((sampler.num_replicas, sampler.rank, len(sampler.dataset)) if sampler is not None
+            else (1, 0, math.inf))
 
 
 @torch.no_grad()
@@ -332,14 +328,12 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
              ) -> EvalResult:
     """Exact top-1/top-5/loss/confusion over the whole val set, however it is split across ranks:
     in ``DistributedSampler``'s padded order the sample at position ``p`` (on rank ``p % W``) is a
-    repeat iff ``p >= len(dataset)``, so each rank masks its repeats with no extra gather.
-    ``options``: their ``amp_dtype`` and ``channels_last``."""
+    repeat iff ``p >= len(dataset)``, so each rank masks its repeats with no extra gather."""
     opts = options or LoopOptions()
     model.eval()
     if heartbeat is not None:
         heartbeat.at("evaluating")
-    sampler = _val_sampler(data_loader)
-    world, rank = (sampler.num_replicas, sampler.rank) if sampler is not None else (1, 0)
+    world, rank, end = _val_split(data_loader)
     stats = torch.zeros(4, device=device, dtype=torch.float64)  # top1, top5, loss sum, count
     confusion, seen = torch.zeros(0, device=device, dtype=torch.int64), 0
     loss_function = nn.CrossEntropyLoss(reduction="none", ignore_index=IGNORE_INDEX)
@@ -350,10 +344,8 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
         if labels.is_floating_point():
             raise ValueError(f"evaluate needs class indices (N,) as labels, got class "
                              f"probabilities of shape {tuple(labels.shape)}.")
-        valid = labels != IGNORE_INDEX
-        if sampler is not None:
-            positions = rank + (seen + torch.arange(labels.shape[0], device=device)) * world
-            valid &= positions < len(sampler.dataset)
+        positions = rank + (seen + torch.arange(labels.shape[0], device=device)) * world
+        valid = (labels != IGNORE_INDEX) & (positions < end)
         seen += labels.shape[0]
         with _autocast(device, opts.amp_dtype):
             logits = _logits(model(images), "evaluate")
@@ -370,12 +362,10 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
         confusion.index_put_((cells,), valid.long(), accumulate=True)
     top1, top5, loss_sum, count = reduce_value(stats, average=False).tolist()
     # A rank that saw no batch does not know the class count: agree on the largest first.
-    size = torch.tensor([confusion.numel()], device=device)
-    if get_world_size() > 1:
-        dist.all_reduce(size, op=dist.ReduceOp.MAX)
-    if confusion.numel() < size.item():
-        confusion = torch.zeros(int(size.item()), device=device, dtype=torch.int64)
-    side = math.isqrt(confusion.numel())  # the ranks' flat (C * C,) counts, summed: (C, C)
+    side = max(all_gather_object(math.isqrt(confusion.numel())))
+    if confusion.numel() < side * side:
+        confusion = torch.zeros(side * side, device=device, dtype=torch.int64)
+    # The ranks' flat (C * C,) counts, summed: (C, C).
     confusion = reduce_value(confusion, average=False).cpu().view(side, side)
     return EvalResult(round(top1), top5_correct=round(top5), num_samples=round(count),
                       loss_sum=loss_sum, confusion=confusion)
