@@ -1,10 +1,5 @@
 """Compare training runs as PNG charts, each number read from a run's ``metrics.jsonl`` (one JSON
-object per epoch, written by the training script into its ``--output-dir``)::
-
-    python plot_results.py runs/a runs/b --labels "1 GPU" "2 GPUs, SyncBN" --out-dir plots
-
-writes ``accuracy.png`` (validation top-1), ``loss.png`` (training solid, validation dashed) and
-``epoch_time.png`` (mean seconds per epoch) and prints their paths.
+object per epoch, written by the training script into its ``--output-dir``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """Synchronised BatchNorm that also runs on CPU with gloo (``torch.nn.SyncBatchNorm`` is CUDA-only).
-:class:`SyncBatchNormCPU` all-reduces the per-channel sum, sum of squares and count (one
-collective per layer per forward, one per backward), so forward, backward and running statistics
-equal ``nn.BatchNorm2d``'s on all ranks' batches together, whatever each rank's batch size.
 """
 
 from __future__ import annotations
