@@ -19,7 +19,6 @@ from multi_train_utils.guard import UserError
 from flags import HelpFormatter, path_flag, positive_int
 
 METRICS_FILE = "metrics.jsonl"
-# Keys every epoch record must have to be plotted; the training script always writes them.
 REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
 
 

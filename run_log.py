@@ -21,8 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:
-    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename).
-    ``compact``: one line, non-ASCII as ``\\u`` escapes (names that are not UTF-8 always)."""
+    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename)."""
     path = Path(path)
     text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race

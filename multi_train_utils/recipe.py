@@ -29,8 +29,7 @@ def resolve_recipe(*, opt: str | None, lr_scheduler: str | None, lr_step_size: i
                    lr_gamma: float | None, scale_lr: bool | None
                    ) -> tuple[dict[str, Any], dict[str, int]]:
     """torchvision's ``opt``, ``lr_scheduler``, ``lr_step_size``, ``lr_gamma`` and ``scale_lr``
-    (None: not given) filled in, and the validation sizes to default to. A step size or gamma
-    alone chooses its ``steplr``."""
+    (None: not given) filled in, and the validation sizes to default to."""
     step = lr_step_size is not None or lr_gamma is not None
     torchvision = opt is not None or lr_scheduler is not None or step
     scale_lr = not torchvision if scale_lr is None else scale_lr
@@ -92,7 +91,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: 
     ``lr x warmup_decay``, ``"linear"``ly or ``"constant"``), stepped once per epoch, as a
     LambdaLR of the factors torch's own schedulers give (run here on a stand-in optimizer): a
     resumed or longer run lays them out anew from ``start_epoch``, and no scheduler state needs
-    saving. ``cosine``: the lr falls to ``lr x lrf`` on a half cosine (SGDR, arXiv:1608.03983)."""
+    saving."""
     lr, warm = optimizer.param_groups[0]["lr"], warmup_epochs
     for group in optimizer.param_groups:  # LambdaLR's base: this run's lr, resumed or not
         group["initial_lr"] = group["lr"]
@@ -169,7 +168,6 @@ class BatchMix:
         """Mixup and/or cutmix with these Beta(alpha, alpha) parameters; None when both are 0."""
         from torchvision.transforms import v2
 
-        # One class more: an unreadable image's (below), whose share of a target is dropped.
         mixes = [kind(alpha=alpha, num_classes=num_classes + 1)
                  for kind, alpha in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if alpha]
         if not mixes:

@@ -75,9 +75,8 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
                 mixed_precision: torch.dtype | None = None,
                 units: Sequence[type[nn.Module] | str] | None = None) -> nn.Module:
     """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is) and return
-    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. ``units``: classes or
-    class names (default: :func:`fsdp_units`). BatchNorm keeps float32 weights (its kernels need
-    them) under ``mixed_precision``."""
+    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. BatchNorm keeps
+    float32 weights (its kernels need them) under ``mixed_precision``."""
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
