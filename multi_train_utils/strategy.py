@@ -1,8 +1,5 @@
 """Two ways to spread training over N processes: DDP replicates the model, FSDP2 shards it, for
 a model too big for one device (docs/strategies.md).
-
-    model = shard_model(model, device, mixed_precision=torch.bfloat16)  # in place of DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), ...)          # after: on the shards
 """
 
 from __future__ import annotations
@@ -75,15 +72,15 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
                 mixed_precision: torch.dtype | None = None,
                 units: Sequence[type[nn.Module] | str] | None = None) -> nn.Module:
     """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is) and return
-    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. BatchNorm keeps
-    float32 weights (its kernels need them) under ``mixed_precision``."""
+    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. Build the optimizer
+    after: on the shards. BatchNorm keeps float32 weights (its kernels need them) under
+    ``mixed_precision``."""
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    # Rank 0's real tensors, held before fully_shard swaps in the shards (state_dict() copies
-    # nothing): the values every rank's shards take.
+    # Rank 0's real tensors (no copy), held before fully_shard swaps in the shards.
     whole = model.state_dict() if dist.get_rank() == 0 else {}
     device = device or next(model.parameters()).device
     if device.type == "cpu":
