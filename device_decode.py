@@ -95,8 +95,7 @@ class JpegBatch(NamedTuple):
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(images uint8 (N, 3, S, S), labels (N,))`` on ``device`` as ``--decode workers``
-        gives them: one decode call, then :func:`_augment` per image. Unreadable files: listed,
-        black, their labels ignored."""
+        gives them: one decode call, then :func:`_augment` per image."""
         parts = [x.view(s) for x, s in zip(self.data.split([s.numel() for s in self.shapes]),
                                             self.shapes)]
         jpegs = [(x, source) for x, source in zip(parts, self.sources) if x.dim() == 1]

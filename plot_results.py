@@ -1,10 +1,5 @@
 """Compare training runs as PNG charts, each number read from a run's ``metrics.jsonl`` (one JSON
-object per epoch, written by the training script into its ``--output-dir``)::
-
-    python plot_results.py runs/a runs/b --labels "1 GPU" "2 GPUs, SyncBN" --out-dir plots
-
-writes ``accuracy.png`` (validation top-1), ``loss.png`` (training solid, validation dashed) and
-``epoch_time.png`` (mean seconds per epoch) and prints their paths.
+object per epoch, written by the training script into its ``--output-dir``).
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from multi_train_utils.guard import UserError
 from flags import HelpFormatter, path_flag, positive_int
 
 METRICS_FILE = "metrics.jsonl"
-# Keys every epoch record must have to be plotted; the training script always writes them.
 REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
 
 

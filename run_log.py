@@ -21,8 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: object, compact: bool = False) -> None:
-    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename).
-    ``compact``: one line, non-ASCII as ``\\u`` escapes (names that are not UTF-8 always)."""
+    """Write ``obj`` as JSON; a reader never sees half a file (temporary file + rename)."""
     path = Path(path)
     text = json.dumps(obj, indent=None if compact else 4, ensure_ascii=compact)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks may race
@@ -110,8 +109,7 @@ def plot_class_distribution(classes: Sequence[str], counts: Sequence[int],
 def plot_data_loader_image(data_loader: Iterable, classes: Sequence[str] | None = None,
                            path: str | os.PathLike | None = None, count: int = 4) -> Any:
     """The classic tutorial's look at a loader: the first ``count`` images of its first batch
-    (normalised or not), named by ``classes`` (default: ``class_indices.json`` here). Saved to
-    ``path``, else shown by pyplot. Returns the figure."""
+    (normalised or not), named by ``classes`` (default: ``class_indices.json`` here)."""
     import matplotlib.pyplot as plt  # an optional extra, imported for a plot
     if classes is None and os.path.isfile("class_indices.json"):
         classes = list(json.loads(Path("class_indices.json").read_text("utf-8")).values())

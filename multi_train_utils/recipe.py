@@ -1,15 +1,6 @@
 """torchvision's training recipe, each piece exactly resumable: its optimizers with their
 weight-decay groups, warmup and lr schedules, mixup/cutmix and the EMA of the weights, under
 the names of ``references/classification/train.py``'s flags (docs/recipes.md).
-
-    optimizer = make_optimizer(model, opt="sgd", lr=0.1, momentum=0.9, weight_decay=1e-4)
-    scheduler = lr_schedule(optimizer, epochs=90, lr_scheduler="steplr", ...)  # once per epoch
-    ema = ModelEma(model, decay=0.999, every=32, warmup_epochs=0)
-    mix = BatchMix.create(num_classes, mixup_alpha=0.2, cutmix_alpha=1.0, seed=0)  # None: off
-
-Every random draw that is new here comes from (seed, epoch, rank, batch) or (seed, epoch,
-image), and the only new state is the EMA's, saved in the checkpoint: a run stopped part-way
-ends with the weights of one never stopped.
 """
 
 from __future__ import annotations
@@ -38,9 +29,7 @@ def resolve_recipe(*, opt: str | None, lr_scheduler: str | None, lr_step_size: i
                    lr_gamma: float | None, scale_lr: bool | None
                    ) -> tuple[dict[str, Any], dict[str, int]]:
     """torchvision's ``opt``, ``lr_scheduler``, ``lr_step_size``, ``lr_gamma`` and ``scale_lr``
-    (None: not given) filled in, and the validation sizes to default to. Given any of the four
-    (a step size or gamma alone chooses its ``steplr``), torchvision's meanings hold, and say
-    so: the lr is the whole batch's, not scaled, and validation crops 224 of 256."""
+    (None: not given) filled in, and the validation sizes to default to."""
     step = lr_step_size is not None or lr_gamma is not None
     torchvision = opt is not None or lr_scheduler is not None or step
     scale_lr = not torchvision if scale_lr is None else scale_lr
@@ -102,7 +91,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: 
     ``lr x warmup_decay``, ``"linear"``ly or ``"constant"``), stepped once per epoch, as a
     LambdaLR of the factors torch's own schedulers give (run here on a stand-in optimizer): a
     resumed or longer run lays them out anew from ``start_epoch``, and no scheduler state needs
-    saving. ``cosine``: the lr falls to ``lr x lrf`` on a half cosine (SGDR, arXiv:1608.03983)."""
+    saving."""
     lr, warm = optimizer.param_groups[0]["lr"], warmup_epochs
     for group in optimizer.param_groups:  # LambdaLR's base: this run's lr, resumed or not
         group["initial_lr"] = group["lr"]
@@ -133,8 +122,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: 
 class ModelEma(AveragedModel):
     """An exponential moving average of the weights and buffers, updated every ``every``
     optimizer steps with weight ``1 - decay`` as torchvision's recipe does (``--model-ema``); a
-    copy of the model held on every rank, the same on each. During ``warmup_epochs`` it follows
-    the weights. Its ``state_dict`` (``n_averaged`` too) is saved with the checkpoint."""
+    copy of the model held on every rank, the same on each."""
 
     def __init__(self, model: nn.Module, *, decay: float, every: int, warmup_epochs: int) -> None:
         super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
@@ -169,8 +157,7 @@ class ModelEma(AveragedModel):
 class BatchMix:
     """torchvision's ``v2.MixUp`` or ``v2.CutMix`` (one of the two, at random, when both are
     on) on each training batch, ``(N, 3, H, W), (N,) -> (N, 3, H, W), (N, C)`` class
-    probabilities. Drawn from (seed, epoch, rank, batch), so a resumed epoch mixes its batches
-    as the uninterrupted one did."""
+    probabilities."""
 
     def __init__(self, transform: Any, seed: int, num_classes: int) -> None:
         self.transform, self.seed, self.num_classes = transform, seed, num_classes
@@ -181,7 +168,6 @@ class BatchMix:
         """Mixup and/or cutmix with these Beta(alpha, alpha) parameters; None when both are 0."""
         from torchvision.transforms import v2
 
-        # One class more: an unreadable image's (below), whose share of a target is dropped.
         mixes = [kind(alpha=alpha, num_classes=num_classes + 1)
                  for kind, alpha in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if alpha]
         if not mixes:

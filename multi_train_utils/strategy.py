@@ -1,12 +1,5 @@
 """Two ways to spread training over N processes: DDP replicates the model, FSDP2 shards it, for
-a model too big for one device (docs/strategies.md). Both take the same optimizer steps; a
-checkpoint of either resumes under either.
-
-    with torch.device("meta" if rank > 0 else "cpu"):             # no memory on ranks > 0
-        model = build_model()
-    model = shard_model(model, device, mixed_precision=torch.bfloat16)  # in place of DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), ...)          # after: on the shards
-    with gradient_sync(model, enabled=last_micro_batch): loss.backward()
+a model too big for one device (docs/strategies.md).
 """
 
 from __future__ import annotations
@@ -79,22 +72,15 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
                 mixed_precision: torch.dtype | None = None,
                 units: Sequence[type[nn.Module] | str] | None = None) -> nn.Module:
     """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is) and return
-    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. Each submodule whose
-    class is in ``units`` (a class or its name; default: :func:`fsdp_units`) is one unit,
-    all-gathered alone; the root holds the rest (stem, classifier). Ranks but 0 may build ``model``
-    on the meta device: rank 0's real model (seed, init, ``--weights``) fills every rank's shards
-    one tensor at a time, so it must fit in rank 0's host memory, not in one device; every rank
-    then takes rank 0's CPU random state, as after building the model itself.
-
-    ``mixed_precision`` (``--amp``): parameters gathered and computed in that dtype, gradients
-    reduced in float32; BatchNorm keeps float32 weights (its kernels need them), a unit apiece."""
+    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. Build the optimizer
+    after: on the shards. BatchNorm keeps float32 weights (its kernels need them) under
+    ``mixed_precision``."""
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    # Rank 0's real tensors, held before fully_shard swaps in the shards (state_dict() copies
-    # nothing): the values every rank's shards take.
+    # Rank 0's real tensors (no copy), held before fully_shard swaps in the shards.
     whole = model.state_dict() if dist.get_rank() == 0 else {}
     device = device or next(model.parameters()).device
     if device.type == "cpu":
@@ -187,7 +173,7 @@ def share_buffers(module: nn.Module) -> None:
     buffers = [b for b in module.buffers() if b.is_floating_point()]
     if not buffers:
         return
-    flat = torch.cat([b.reshape(-1) for b in buffers])  # one collective, not one per layer
+    flat = torch.cat([b.reshape(-1) for b in buffers])
     dist.broadcast(flat, src=0)
     for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
         buffer.copy_(value.view_as(buffer))

@@ -1,7 +1,4 @@
 """Synchronised BatchNorm that also runs on CPU with gloo (``torch.nn.SyncBatchNorm`` is CUDA-only).
-:class:`SyncBatchNormCPU` all-reduces the per-channel sum, sum of squares and count (one
-collective per layer per forward, one per backward), so forward, backward and running statistics
-equal ``nn.BatchNorm2d``'s on all ranks' batches together, whatever each rank's batch size.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         n = input.numel() / channels
         # Each rank sums x and x^2 around its own batch mean m (detached), so that float32 sums
-        # of squares do not cancel when |mean| >> std, and expands them in float64
-        # (sum x = sum c + n m, sum x^2 = sum c^2 + 2 m sum c + n m^2, for c = x - m): one
+        # of squares do not cancel when |mean| >> std, and expands them in float64: one
         # all-reduce then serves every rank and autograd, and nothing depends on the ranks
         # agreeing beforehand (their running means differ with DDP(broadcast_buffers=False)).
         m = x.detach().sum(dims) / max(n, 1)  # 0 for a rank with an empty batch
