@@ -1,6 +1,5 @@
 """``MyDataSet``: image files and labels in, ``(image, label)`` out; a bad file does not kill the
-run (docs/bad-data.md). JPEGs are decoded by TorchCodec or ``torchvision.io``, other formats by
-PIL; the classic ``Compose([..., ToTensor(), Normalize(...)])`` gets PIL images."""
+run (docs/bad-data.md)."""
 
 from __future__ import annotations
 
@@ -93,7 +92,7 @@ def load_image_tensor(path: str) -> torch.Tensor:
 def check_image(path: str) -> str | None:
     """Why ``path`` is not a usable image, as a short phrase, or None when it looks fine: PIL
     reads the header only, a JPEG or PNG without its end marker (cut short) is decoded to be
-    sure. A FIFO is refused first: it would block its reader."""
+    sure."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -130,9 +129,7 @@ def _first_line(exc: BaseException) -> str:
 
 class MyDataSet(Dataset):
     """Images and integer labels; ``dataset[i]`` -> ``(transform(image), label)``, the image
-    ``uint8 (3, H, W)`` for a ``transforms.v2`` transform or None, else RGB PIL. After
-    ``set_epoch(e)`` sample ``i``'s augmentation depends only on ``(seed, e, i)``, not on the
-    worker count or world size, so a resumed run replays what an uninterrupted one would see.
+    ``uint8 (3, H, W)`` for a ``transforms.v2`` transform or None, else RGB PIL.
 
     A file that fails to decode is reported once (:func:`report_unreadable`) and replaced, with
     ``replace_unreadable`` (training), by a readable image of its class: a black one would still
