@@ -1,11 +1,4 @@
-"""Classify images with weights written by the training script (docs/evaluate-and-predict.md).
-
-From Python::
-
-    model, classes, preprocess = load_predictor("runs/train/model_best.pth")
-    for p in predict(model, ["tulip.jpg"], classes, preprocess, torch.device("cpu"), top_k=3):
-        print(p.path, p.top_k)
-"""
+"""Classify images with weights written by the training script (docs/evaluate-and-predict.md)."""
 
 from __future__ import annotations
 
