@@ -1,6 +1,5 @@
 """An image folder, ``root/<class>/**/<image>`` as for ``ImageFolder``: its scan, stored with the
-run and reused while no folder changed (docs/resume-and-restarts.md), and its split. Unusable
-files are skipped with a reason, a layout mistake is a :class:`DataError` (docs/bad-data.md)."""
+run and reused while no folder changed (docs/resume-and-restarts.md), and its split."""
 
 from __future__ import annotations
 
@@ -49,7 +48,6 @@ class FolderScan:
     classes: list[str]
     images: list[list[str]]  # images[i]: sorted paths of the images of classes[i]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # sorted (path, reason)
-    # Each folder listed, by its path below the root: [mtime, ctime] in ns, read before listing.
     times: dict[str, list[int]] = field(default_factory=dict)
     verified: bool = False  # every image's header was read
     reused: bool = False  # read from a run folder's SCAN_FILE, not listed again
@@ -74,8 +72,7 @@ class FolderScan:
                      train_paths: list[str]) -> None:
         """The epoch a stop interrupted (``ckpt``) ends over the images it began with, new ones
         join at the next: sets ``progress.file_list`` (that list's digest) and, if it is not this
-        one, ``progress.indices`` (its images in ``train_paths``, -1: gone). Every rank calls it;
-        rank 0 reads the list, moved to :data:`STOPPED_SCAN_FILE` as this one is stored."""
+        one, ``progress.indices`` (its images in ``train_paths``, -1: gone)."""
         digest = progress.file_list = ckpt.get("in_epoch") and ckpt.get("file_list") or self.digest
         kept, epoch, saved = out / STOPPED_SCAN_FILE, ckpt["epoch"], ckpt["args"]
 
@@ -151,9 +148,7 @@ def _class_folders(root: str, times: dict[str, list[int]]
 def _walk_class(folder: str, times: dict[str, list[int]], below: int
                 ) -> tuple[list[str], list[tuple[str, str]]]:
     """Image-named files below ``folder`` (sorted) and what was left out, with a reason; each
-    folder's :func:`_times` go to ``times``, keyed by the path from character ``below`` on. As
-    ``ImageFolder``, only what ``os.scandir`` reads with the names is asked: no stat per file,
-    but per link."""
+    folder's :func:`_times` go to ``times``, keyed by the path from character ``below`` on."""
     found, skipped, todo = [], [], [folder]
     while todo:
         top = todo.pop()
@@ -186,8 +181,7 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
 def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_classes: int = 2,
                       reuse: str | os.PathLike | None = None) -> FolderScan:
     """Find ``root/<class>/**/<image>``, the classes sorted; ``verify`` also reads each image's
-    header (:func:`my_dataset.check_image`). ``reuse``: a run folder whose stored list
-    (:data:`SCAN_FILE`) is taken while no folder it lists has changed."""
+    header (:func:`my_dataset.check_image`)."""
     root = os.fspath(root)
     if reuse is not None and (scan := _stored_scan(Path(reuse) / SCAN_FILE, root, verify)):
         return scan
@@ -262,8 +256,7 @@ def split_train_val(scan: FolderScan, val_rate: float, seed: int,
                     ) -> tuple[list[str], list[int], list[str], list[int]]:
     """``(train_paths, train_labels, val_paths, val_labels)``: a file validates when the hash of
     ``(seed, its path below the root)`` is below ``val_rate`` (TensorFlow's ``which_set``), so no
-    file changes side as others come and go. A class of two or more keeps one on each side; with
-    ``val_scan`` (``--val-path``) all of ``scan`` trains."""
+    file changes side as others come and go."""
     if val_scan is not None:
         return (*label_by_class_name(scan.classes, scan),  # all of it, unhashed
                 *label_by_class_name(scan.classes, val_scan))
@@ -339,9 +332,7 @@ def write_scan_files(out: Path, scan: FolderScan) -> None:
 def imagenet_layout(data_path: str | None, val_path: str | None, *, eval_only: bool = False
                     ) -> tuple[str | None, str | None]:
     """``(data_path, val_path)``, but a ``data_path`` D in torchvision's layout, ``D/train/<class>``
-    and ``D/val/<class>``, becomes ``(D/train, D/val)`` (``eval_only``: ``(None, D/val)``).
-    Refused: no ``val/`` beside such a ``train/``, a ``val/`` with images outside class folders
-    (ILSVRC2012's ships flat) or with other classes."""
+    and ``D/val/<class>``, becomes ``(D/train, D/val)`` (``eval_only``: ``(None, D/val)``)."""
     root = Path(data_path or "")
     train, val = root / "train", root / "val"
     if not data_path or val_path or not train.is_dir():

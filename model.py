@@ -1,10 +1,5 @@
 """ResNet and ResNeXt image classifiers: torchvision's own classes and blocks, plus
 ``include_top``; and every other classifier of torchvision by its name, as its recipes use it.
-By name, as ``--model`` and ``--weights``::
-
-    model = get_model("resnet50", num_classes=5)           # (N, 3, H, W) -> (N, 5)
-    backbone = get_model("resnet50", include_top=False)    # (N, 3, H, W) -> (N, 2048, H/32, W/32)
-    state = named_weights("ResNet50_Weights.DEFAULT", "resnet50")  # torch hub's cache, 1000 classes
 
 Papers: ResNet, https://arxiv.org/abs/1512.03385; ResNeXt, https://arxiv.org/abs/1611.05431.
 """
@@ -32,10 +27,7 @@ class ResNet(torchvision.models.ResNet):
     """torchvision's ResNet (Bottleneck: "ResNet V1.5", stride on the 3x3 convolution; its
     ImageNet weights load with ``strict=True``): ``(N, 3, H, W) -> (N, num_classes)`` logits; with
     ``include_top=False`` no avgpool and fc, and ``(N, num_features, H / 32, W / 32)`` features
-    (512 with BasicBlock, 2048 with Bottleneck; ``H / 16`` or ``H / 8`` with dilation).
-    ``kwargs`` go to torchvision: ``zero_init_residual``, ``groups``, ``width_per_group``,
-    ``replace_stride_with_dilation`` and ``norm_layer(num_channels)``, e.g. ``nn.SyncBatchNorm``
-    or ``lambda c: nn.GroupNorm(32, c)``. Bad arguments raise ``ValueError``."""
+    (512 with BasicBlock, 2048 with Bottleneck; ``H / 16`` or ``H / 8`` with dilation)."""
 
     def __init__(self, block: type[BasicBlock | Bottleneck], layers: list[int],
                  num_classes: int = 1000, include_top: bool = True, **kwargs: Any) -> None:
@@ -109,8 +101,7 @@ def get_model(name: str, num_classes: int = 1000, img_size: int | None = None,
     """``(N, 3, H, W) -> (N, num_classes)``: the :data:`MODELS` builder ``name``, else torchvision's
     classifier ``name`` (``kwargs`` go to the builder). googlenet and inception_v3 come without
     auxiliary heads and always convert their input as torchvision's weights need (a fixed affine
-    map; the weights do not record it, so every run and every load of their files agrees). A
-    ViT is built for ``img_size`` crops (default 224): its position embeddings fit one size."""
+    map; the weights do not record it, so every run and every load of their files agrees)."""
     if name.startswith("vit_") and img_size:
         kwargs = {"image_size": img_size, **kwargs}
     if name in MODELS:
@@ -142,7 +133,6 @@ def check_model(name: str, img_size: int, weights: str | None = None, *,
     if (fixed := weights_size(name, weights)) not in (None, img_size):
         raise ConfigError(f"--weights {weights} is for {fixed} px crops (its position embeddings "
                           f"fit that size alone); use --img-size {fixed}.")
-    # One forward per check: (flag, crop size, batch, train mode).
     checks = [(flag, size, 1, False) for flag, size in [("--img-size", img_size),
                                                         *(crops or {}).items()]]
     checks += [("--batch-size", img_size, train_batch, True)] if train_batch else []

@@ -1,6 +1,5 @@
 """``MyDataSet``: image files and labels in, ``(image, label)`` out; a bad file does not kill the
-run (docs/bad-data.md). JPEGs are decoded by TorchCodec or ``torchvision.io``, other formats by
-PIL; the classic ``Compose([..., ToTensor(), Normalize(...)])`` gets PIL images."""
+run (docs/bad-data.md)."""
 
 from __future__ import annotations
 
@@ -93,7 +92,7 @@ def load_image_tensor(path: str) -> torch.Tensor:
 def check_image(path: str) -> str | None:
     """Why ``path`` is not a usable image, as a short phrase, or None when it looks fine: PIL
     reads the header only, a JPEG or PNG without its end marker (cut short) is decoded to be
-    sure. A FIFO is refused first: it would block its reader."""
+    sure."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -130,14 +129,7 @@ def _first_line(exc: BaseException) -> str:
 
 class MyDataSet(Dataset):
     """Images and integer labels; ``dataset[i]`` -> ``(transform(image), label)``, the image
-    ``uint8 (3, H, W)`` for a ``transforms.v2`` transform or None, else RGB PIL. After
-    ``set_epoch(e)`` sample ``i``'s augmentation depends only on ``(seed, e, i)``, not on the
-    worker count or world size, so a resumed run replays what an uninterrupted one would see.
-
-    A file that fails to decode is reported once (:func:`report_unreadable`) and replaced, with
-    ``replace_unreadable`` (training), by a readable image of its class: a black one would still
-    drag BatchNorm's statistics. Otherwise, or if its class has none, by a black image with label
-    ``IGNORE_INDEX``, which the loss and ``evaluate`` ignore."""
+    ``uint8 (3, H, W)`` for a ``transforms.v2`` transform or None, else RGB PIL."""
 
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int],
                  transform: Callable[[Any], Any] | None = None, *, seed: int = 0,
@@ -155,7 +147,6 @@ class MyDataSet(Dataset):
         self.skip_log = skip_log
         self.replace_unreadable = replace_unreadable
         # Shared memory: persistent DataLoader workers see set_epoch() and each other's finds.
-        # Epoch -1: set_epoch was never called, the transforms draw from torch's global RNG.
         self._epoch = torch.full((1,), -1, dtype=torch.int64).share_memory_()
         self._bad = torch.zeros(len(self.images_path), dtype=torch.bool).share_memory_()
 
@@ -185,7 +176,7 @@ class MyDataSet(Dataset):
         return load_pil_image(path) if self.use_pil else load_image_tensor(path)
 
     def _load_or_replace(self, index: int) -> tuple[Any, int]:
-        """Sample ``index``'s image and label, or what stands in for it (see the class)."""
+        """Sample ``index``'s image and label, or what stands in for it."""
         label = self.images_class[index]
         for i in self._candidates(index):
             try:
@@ -251,8 +242,7 @@ def default_workers(batch_size: int, device: torch.device) -> int:
 def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
     """``DataLoader`` keyword arguments for ``MyDataSet`` batches: the workers stay alive
     between epochs, so an epoch does not start by waiting for them, and ignore stop signals, so
-    a stopping run still gets the batches of its last step; batches are pinned for a GPU. Each
-    ``iter()`` draws the workers' seeds from a generator of its own, not dropout's RNG."""
+    a stopping run still gets the batches of its last step; batches are pinned for a GPU."""
     kwargs: dict[str, Any] = dict(num_workers=workers, collate_fn=MyDataSet.collate_fn,
                                   pin_memory=device.type == "cuda",
                                   generator=torch.Generator().manual_seed(torch.initial_seed()))

@@ -1,13 +1,4 @@
-"""Classify images with weights written by the training script (docs/evaluate-and-predict.md).
-
-    python predict.py --weights runs/train/model_best.pth tulip.jpg photos/
-
-or from Python::
-
-    model, classes, preprocess = load_predictor("runs/train/model_best.pth")
-    for p in predict(model, ["tulip.jpg"], classes, preprocess, torch.device("cpu"), top_k=3):
-        print(p.path, p.top_k)
-"""
+"""Classify images with weights written by the training script (docs/evaluate-and-predict.md)."""
 
 from __future__ import annotations
 
@@ -116,7 +107,6 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
         # A model trained at 32 px and fed 224 px crops still answers, with wrong classes.
         print(f"warning: no image size recorded for {weights}; assuming {DEFAULT_IMG_SIZE} px: "
               "pass the --img-size used in training.", file=sys.stderr)
-    # The run's validation sizes and interpolation (--img-size: that crop of a resize x 256/224).
     sizes = {} if img_size else {k: recorded.get(k) for k in ("val_resize_size", "val_crop_size")}
     check_model(name, trained, crops={"--img-size": img_size or sizes["val_crop_size"] or trained})
     return net, list(classes), get_transforms(
@@ -142,9 +132,7 @@ def collect_images(inputs: Sequence[Path | str]) -> list[Path]:
 def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str],
             preprocess: Preprocess, device: torch.device, top_k: int = 5,
             batch_size: int = 32) -> Iterator[Prediction]:
-    """One :class:`Prediction` per path, in order, batch by batch (so output can start early).
-    ``preprocess`` is :func:`load_predictor`'s, so ``model`` sees what the validation accuracy
-    saw: ``(B, 3, crop, crop)`` normalised -> ``(B, len(classes))`` logits."""
+    """One :class:`Prediction` per path, in order, batch by batch (so output can start early)."""
     model.eval().to(device)  # eval: BatchNorm uses its running statistics, not the batch's
     for start in range(0, len(paths), batch_size):
         chunk, images, errors = paths[start:start + batch_size], [], {}
