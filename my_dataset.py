@@ -129,7 +129,12 @@ def _first_line(exc: BaseException) -> str:
 
 class MyDataSet(Dataset):
     """Images and integer labels; ``dataset[i]`` -> ``(transform(image), label)``, the image
-    ``uint8 (3, H, W)`` for a ``transforms.v2`` transform or None, else RGB PIL."""
+    ``uint8 (3, H, W)`` for a ``transforms.v2`` transform or None, else RGB PIL.
+
+    A file that fails to decode is reported once (:func:`report_unreadable`) and replaced, with
+    ``replace_unreadable`` (training), by a readable image of its class: a black one would still
+    drag BatchNorm's statistics. Otherwise, or if its class has none, by a black image with label
+    ``IGNORE_INDEX``, which the loss and ``evaluate`` ignore."""
 
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int],
                  transform: Callable[[Any], Any] | None = None, *, seed: int = 0,
@@ -242,7 +247,8 @@ def default_workers(batch_size: int, device: torch.device) -> int:
 def loader_kwargs(workers: int, device: torch.device) -> dict[str, Any]:
     """``DataLoader`` keyword arguments for ``MyDataSet`` batches: the workers stay alive
     between epochs, so an epoch does not start by waiting for them, and ignore stop signals, so
-    a stopping run still gets the batches of its last step; batches are pinned for a GPU."""
+    a stopping run still gets the batches of its last step; batches are pinned for a GPU. Each
+    ``iter()`` draws the workers' seeds from a generator of its own, not dropout's RNG."""
     kwargs: dict[str, Any] = dict(num_workers=workers, collate_fn=MyDataSet.collate_fn,
                                   pin_memory=device.type == "cuda",
                                   generator=torch.Generator().manual_seed(torch.initial_seed()))
