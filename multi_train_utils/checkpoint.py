@@ -54,8 +54,7 @@ def _whole(cpu_offload: bool = False) -> Any:
 
 
 class ModelState:
-    """The model's weights, keyed by name without wrappers' prefixes: saved whole on rank 0's
-    CPU (FSDP gathers a tensor at a time), loaded whole by every rank (FSDP keeps its shard)."""
+    """The model's weights, saved whole on rank 0's CPU, loaded whole by every rank."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = unwrap(model)
@@ -70,8 +69,7 @@ class ModelState:
 
 
 class OptimizerState:
-    """The optimizer's state (momentum buffers, ...), keyed by parameter name: it loads at any
-    world size and under either strategy. Its settings stay this run's (:func:`own_settings`)."""
+    """The optimizer's state, keyed by parameter name; its settings stay this run's."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = unwrap(model), optimizer
@@ -103,8 +101,7 @@ def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 class RNGState:
-    """Every rank's RNG states (torch, CUDA, Python, NumPy); loaded, each rank goes on with its
-    own (a rank the run did not have keeps its seed's)."""
+    """Every rank's RNG states; loaded, each rank goes on with its own (a new rank: its seed's)."""
 
     def state_dict(self) -> list[dict[str, Any]]:
         return all_gather_object(capture_rng_state())
@@ -181,9 +178,8 @@ class Checkpointer:
     def save(self, *, record: dict[str, Any] | None = None, is_best: bool = False,
              final: bool = False) -> None:
         """Every rank calls it; rank 0 writes. At an epoch's end (``record``: its metrics line)
-        also the epoch's weights, the best model and the metrics line; part-way ``checkpoint.pth``
-        alone. A stop signal waits until all is on disk. The ``final`` FSDP save also exports the
-        last and best weights."""
+        also the epoch's weights, the best model and the metrics line. A stop signal waits until
+        all is on disk. The ``final`` FSDP save also exports the last and best weights."""
         if self.heartbeat is not None:
             self.heartbeat.at("saving")
         model = self.states["model"].model
