@@ -44,25 +44,29 @@ class ResumableSampler(DistributedSampler):
         self.set_epoch(self.epoch)  # a loader's length is the epoch's from the start
 
     def set_epoch(self, epoch: int, skip: int = 0, indices: torch.Tensor | None = None) -> None:
-        # The order DistributedSampler draws (seed + epoch): a whole epoch deals just what it does.
         super().set_epoch(epoch)
-        self.skip = skip  # for this epoch only: the next deals a whole one
-        n, r = len(self.dataset) if indices is None else len(indices), self.repeats
-        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
-                 if self.shuffle else torch.arange(n))
-        order = order if indices is None else indices[order]
-        if r > 1:  # the first n // W * W of the repeated order; copy j of i: i + j * len
-            keep = n // self.num_replicas * self.num_replicas
-            order, copy = order.repeat_interleave(r)[:keep], torch.arange(keep) % r
-            order = torch.where(order >= 0, order + copy * len(self.dataset), -1)
-        self.rest, self.order = order[skip:][order[skip:] >= 0], order[order >= 0]
+        self.skip, self.rest = skip, None  # for this epoch only: the next deals a whole one
+        if skip or indices is not None or self.repeats > 1:  # else DistributedSampler deals it
+            n, r = len(self.dataset) if indices is None else len(indices), self.repeats
+            order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+                     if self.shuffle else torch.arange(n))  # DistributedSampler's order
+            order = order if indices is None else indices[order]
+            if r > 1:  # the first n // W * W of the repeated order; copy j of i: i + j * len
+                keep = n // self.num_replicas * self.num_replicas
+                order, copy = order.repeat_interleave(r)[:keep], torch.arange(keep) % r
+                order = torch.where(order >= 0, order + copy * len(self.dataset), -1)
+            self.rest, self.order = order[skip:][order[skip:] >= 0], order[order >= 0]
 
     def __iter__(self) -> Iterator[int]:
+        if self.rest is None:
+            return super().__iter__()
         size = len(self) * self.num_replicas  # padded with the order's start
         rest = torch.cat([self.rest, self.order.repeat(-(-size // max(len(self.order), 1)))])
         return iter(rest[:size][self.rank::self.num_replicas].tolist())
 
     def __len__(self) -> int:
+        if self.rest is None:
+            return super().__len__()
         rest, world = len(self.rest), self.num_replicas
         return rest // world if self.drop_last else -(-rest // world)
 
