@@ -33,24 +33,17 @@ import torch
 import torch.nn as nn
 
 from .checkpoint_io import (CheckpointError, extract_state_dict, load_file, save_atomic, unwrap,
-                            whole_state)
+                            whole_options, whole_state)
 from .distributed_utils import (all_gather_object, all_ranks_ok, get_rank, get_world_size,
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
+from .heartbeat import Heartbeat
 from .strategy import is_sharded, load_shards, save_shards
 from .data import EpochProgress
 
 log = logging.getLogger("train")
 TRAIN = "train"  # the part whose fields are the file's top-level keys
 SHARDED = ("model", "optimizer")  # under FSDP: each rank's shards, in a DCP folder
-
-
-def _whole(cpu_offload: bool = False) -> Any:
-    """Options for whole tensors under FSDP too (``cpu_offload``: on rank 0's CPU, {} elsewhere)."""
-    # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
 
 
 class ModelState:
@@ -65,7 +58,7 @@ class ModelState:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(self.model, state, options=_whole())
+        set_model_state_dict(self.model, state, options=whole_options())
 
 
 class OptimizerState:
@@ -77,7 +70,8 @@ class OptimizerState:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer, options=_whole(True))
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=whole_options(cpu_offload=True))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
@@ -86,7 +80,7 @@ class OptimizerState:
                   for group in state["param_groups"]]  # out anew from this run's flags
         with own_settings(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, {**state, "param_groups": groups},
-                                     options=_whole())
+                                     options=whole_options())
 
 
 @contextlib.contextmanager
@@ -171,8 +165,9 @@ class Checkpointer:
     folder ``out``. ``keep_last`` K keeps the newest K epochs' weights (0: all)."""
 
     def __init__(self, out: str | os.PathLike, states: dict[str, Any], *, keep_last: int = 0,
-                 heartbeat: Any = None) -> None:
-        self.out, self.keep_last, self.heartbeat = Path(out), keep_last, heartbeat
+                 heartbeat: Heartbeat | None = None) -> None:
+        self.out, self.keep_last = Path(out), keep_last
+        self.heartbeat = heartbeat or Heartbeat()  # none given: one that hears nothing
         self.states = {name: part for name, part in states.items() if part is not None}
 
     def save(self, *, record: dict[str, Any] | None = None, is_best: bool = False,
@@ -180,8 +175,7 @@ class Checkpointer:
         """Every rank calls it; rank 0 writes. At an epoch's end (``record``: its metrics line)
         also the epoch's weights, the best model and the metrics line. A stop signal waits until
         all is on disk. The ``final`` FSDP save also exports the last and best weights."""
-        if self.heartbeat is not None:
-            self.heartbeat.at("saving")
+        self.heartbeat.at("saving")
         model = self.states["model"].model
         with signals_deferred():
             state = {}

@@ -122,17 +122,25 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: 
                     "not loaded, %d of the file unused)", path, len(missing), len(skipped))
 
 
+def whole_options(cpu_offload: bool = False) -> Any:
+    """``StateDictOptions`` for whole tensors, under FSDP too (``cpu_offload``: on rank 0's CPU,
+    ``{}`` on the others)."""
+    # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+
+
 def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """The model's and optimizer's state dicts (None without ``optimizer``) as whole tensors
     keyed by parameter name, on the CPU of rank 0 (the others get ``{}``): the same under DDP
     and FSDP, at any world size. Every rank must call it (FSDP gathers the shards, a tensor at a
     time). On a CPU run the tensors are the live ones."""
-    # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
 
-    model, options = unwrap(model), StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model, options = unwrap(model), whole_options(cpu_offload=True)
     optimizer_state = None if optimizer is None else get_optimizer_state_dict(
         model, optimizer, options=options)
     return get_model_state_dict(model, options=options), optimizer_state

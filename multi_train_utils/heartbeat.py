@@ -34,9 +34,11 @@ STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its
 
 class Heartbeat:
     """A context manager: an error that leaves the block carries ``missing_ranks`` (this
-    heartbeat's :meth:`missing`), which :func:`guard.guarded` calls for a failed collective."""
+    heartbeat's :meth:`missing`), which :func:`guard.guarded` calls for a failed collective.
+    Outside a block (or without ``info``: the loops' default) it hears nothing and costs nothing."""
 
-    def __init__(self, info: DistInfo) -> None:
+    def __init__(self, info: DistInfo | None = None) -> None:
+        info = info or DistInfo()
         self.rank, self.world_size, self.limits = info.rank, info.world_size, info.timeouts
         self.store, self.place, self.own, self.read = None, {}, 0.0, time.monotonic()
 

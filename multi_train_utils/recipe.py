@@ -9,11 +9,11 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import lr_scheduler as schedulers
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from .distributed_utils import get_rank, get_world_size, is_main_process
 from .strategy import share_buffers
 from .train_eval_utils import cosine_schedule
 
@@ -140,7 +140,7 @@ class ModelEma(AveragedModel):
         """A checkpoint without an average (``--model-ema`` new to a continued run): it starts
         from the weights just loaded (``n_averaged`` 0: its next update copies them again)."""
         self.module.load_state_dict(self.source[0].state_dict())
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_main_process():
             log.info("%s holds no --model-ema average: it starts from these weights", path)
 
     def after_step(self, model: nn.Module, epoch: int, step: int) -> None:
@@ -150,7 +150,7 @@ class ModelEma(AveragedModel):
         self.update_parameters(model)
         if epoch < self.warmup_epochs:
             self.n_averaged.fill_(0)  # the next update copies the weights again
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if get_world_size() > 1:
             share_buffers(self.module)  # without SyncBN each rank's statistics differ: rank 0's
 
 
@@ -182,7 +182,7 @@ class BatchMix:
         # An unreadable image (-100, a black one) is mixed as a class of its own, then dropped:
         # its share of a target trains nothing. No host sync, as a check of the labels would be.
         labels = labels.where(labels >= 0, self.num_classes)
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = get_rank()
         with torch.random.fork_rng(devices=[]):  # every draw is on the CPU generator
             torch.default_generator.manual_seed(  # not torch.manual_seed: it reseeds the GPUs
                 (((self.seed * 1_000_003 + epoch) * 1_000_003 + rank) * 1_000_003 + batch) % 2**63)

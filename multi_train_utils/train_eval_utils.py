@@ -152,6 +152,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     rank is (:mod:`.heartbeat`)."""
     opts, progress = options or LoopOptions(), progress if progress is not None else EpochProgress()
     first, samples, seen, world = progress.batches, progress.samples, 0, get_world_size()
+    heartbeat = heartbeat or Heartbeat()  # none given: one that hears nothing
     shown = _EpochLog(data_loader, device, epoch, first, opts.print_freq, heartbeat)
     accum, steps = opts.grad_accum_steps, shown.steps
     progress.batches_in_epoch = first + steps
@@ -159,8 +160,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     model.train()
     mean_loss = shown.mean_loss(totals, first)[0] if steps == 0 else float("nan")
     optimizer.zero_grad(set_to_none=True)
-    beat = heartbeat.at if heartbeat is not None else (lambda phase, **where: None)
-    beat("loading data", epoch=epoch, step=first + 1, steps=first + steps)
+    heartbeat.at("loading data", epoch=epoch, step=first + 1, steps=first + steps)
     for step, batch in enumerate(shown.batches):
         images, labels = _unpack(batch, "train_one_epoch", device, opts.channels_last)
         if step == 0 and labels.is_floating_point():
@@ -168,12 +168,13 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         if mix is not None:
             images, labels = mix(images, labels, epoch, first + step)
         seen += labels.shape[0]
-        beat("forward")  # at the step the last call named
+        heartbeat.at("forward")  # at the step the last call named
         last_micro = (step + 1) % accum == 0 or step + 1 == steps
         # Mean over the micro-batches of this step; the epoch's last group may be shorter
         # than K, and a fixed / K would shrink its step.
         group = min(accum, steps - (step - step % accum))
-        totals += _backward(model, images, labels, opts, group=group, sync=last_micro, beat=beat)
+        totals += _backward(model, images, labels, opts, group=group, sync=last_micro,
+                            beat=heartbeat.at)
         if last_micro:
             _optimizer_step(model, optimizer, opts.scaler, opts.clip_grad_norm)
             progress.batches, progress.samples = first + step + 1, samples + seen * world
@@ -185,7 +186,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             mean_loss = shown.line(totals, step, seen, optimizer.param_groups[0]["lr"])
         if progress.stopped:
             break
-        beat("loading data", step=min(first + step + 2, first + steps))
+        heartbeat.at("loading data", step=min(first + step + 2, first + steps))
     return mean_loss  # the last step always reduced: no second all-reduce
 
 
@@ -213,7 +214,7 @@ class _EpochLog:
     ``print_freq`` steps; each shows the mean loss so far over every rank's samples."""
 
     def __init__(self, data_loader: DataLoader, device: torch.device, epoch: int, first: int,
-                 print_freq: int, heartbeat: Heartbeat | None) -> None:
+                 print_freq: int, heartbeat: Heartbeat) -> None:
         try:
             self.steps = steps = len(data_loader)  # it sets the last accumulation group
         except TypeError:
@@ -229,8 +230,7 @@ class _EpochLog:
         """The mean loss over every rank's samples so far, and in the same all-reduce each rank's
         own work (loading its batches): the slowest, named."""
         work = totals.new_zeros(get_world_size())  # float64, beside the totals
-        heartbeat = self.heartbeat
-        work[get_rank()], seconds = heartbeat.own_work() if heartbeat is not None else (0.0, 0.0)
+        work[get_rank()], seconds = self.heartbeat.own_work()
         loss_sum, count, *work = reduce_value(torch.cat([totals, work]), average=False).tolist()
         mean_loss = loss_sum / count if count else float("nan")
         if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
@@ -331,8 +331,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
     repeat iff ``p >= len(dataset)``, so each rank masks its repeats with no extra gather."""
     opts = options or LoopOptions()
     model.eval()
-    if heartbeat is not None:
-        heartbeat.at("evaluating")
+    (heartbeat or Heartbeat()).at("evaluating")
     world, rank, end = _val_split(data_loader)
     stats = torch.zeros(4, device=device, dtype=torch.float64)  # top1, top5, loss sum, count
     confusion, seen = torch.zeros(0, device=device, dtype=torch.int64), 0
