@@ -26,9 +26,6 @@ import torch.distributed as dist
 from .distributed_utils import DistInfo
 
 SLOW_PHASES = ("starting", "evaluating", "saving")  # a step: "loading data", forward, backward
-# Where no rank waits for another: a forward can (DDP broadcasts BatchNorm's buffers at its
-# start, SyncBatchNorm gathers), so a fast rank's wait there would count as its own work.
-OWN_PHASES = ("loading data",)
 STALE_S = 5.0  # no beat for this long: the process does not run (frozen, or its host is gone)
 
 
@@ -40,7 +37,7 @@ class Heartbeat:
     def __init__(self, info: DistInfo | None = None) -> None:
         info = info or DistInfo()
         self.rank, self.world_size, self.limits = info.rank, info.world_size, info.timeouts
-        self.store, self.place, self.own, self.read = None, {}, 0.0, time.monotonic()
+        self.store, self.place = None, {}
 
     def __enter__(self) -> Heartbeat:
         self._stop = threading.Event()
@@ -65,11 +62,8 @@ class Heartbeat:
         """This rank is in ``phase`` now, at ``where`` (epoch, step, steps)."""
         if self.store is None:
             return
-        now, before = time.monotonic(), self.place
-        self.own += now - before["since"] if before.get("phase") in OWN_PHASES else 0.0
-        if before.get("phase") in SLOW_PHASES and phase not in SLOW_PHASES:
-            self.own, self.read = 0.0, now  # the steps that follow are measured afresh
-        self.place = {**before, **where, "phase": phase, "since": now, "wall": time.time()}
+        self.place = {**self.place, **where, "phase": phase, "since": time.monotonic(),
+                      "wall": time.time()}
         # The long limit from a slow phase until the forward after the first gradient all-reduce
         # ("backward"; a micro-batch of --grad-accum-steps reduces nothing): all ranks met there.
         if phase in SLOW_PHASES or phase == self._long_until:
@@ -77,12 +71,6 @@ class Heartbeat:
                                 else "forward" if phase == "backward" else None)
             self.limit = self.limits[self._long_until is None]
             dist.set_timeout(datetime.timedelta(seconds=self.limit))
-
-    def own_work(self) -> tuple[float, float]:
-        """Seconds in OWN_PHASES, and seconds in all, since the last call."""
-        now, own = time.monotonic(), self.own
-        self.own, seconds, self.read = 0.0, now - self.read, now
-        return own, seconds
 
     def _beat(self, store: Any, stopped: threading.Event) -> None:
         mine, seen = {"host": socket.gethostname(), "pid": os.getpid(), "node": self.node}, None

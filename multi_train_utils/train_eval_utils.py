@@ -12,17 +12,15 @@ import functools
 import logging
 import math
 import numbers
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
-from tqdm import tqdm
+from torch.utils.data import DataLoader, DistributedSampler
 
 from .data import EpochProgress, prefetch_to_device
 from .distributed_utils import (all_gather_object, get_rank, get_world_size, is_main_process,
@@ -82,12 +80,10 @@ def _unpack(batch: Any, where: str, device: torch.device, channels_last: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch as ``(inputs, labels)`` on ``device`` (inputs by :func:`prepare_images`): indices
     int64 (``CrossEntropyLoss`` refuses numpy's int32), probabilities float (one_hot: int64)."""
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-            and all(torch.is_tensor(part) for part in batch)):
-        got = (f"a dict with keys {', '.join(map(str, batch))}" if isinstance(batch, dict)
-               else f"a {type(batch).__name__} of {len(batch)} items, not 2 tensors"
-               if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}")
-        raise TypeError(f"{where} takes batches of tensors (inputs, labels), got {got}; return "
+    parts = batch if isinstance(batch, (tuple, list)) else [batch]
+    if len(parts) != 2 or not all(torch.is_tensor(part) for part in parts):
+        got = ", ".join(type(part).__name__ for part in parts)
+        raise TypeError(f"{where} takes batches of tensors (inputs, labels), got ({got}); return "
                         "(image tensor, class index) from the dataset, or give the DataLoader a "
                         "collate_fn that returns (inputs, labels).")
     images = prepare_images(batch[0], device, channels_last=channels_last)
@@ -106,8 +102,7 @@ def _logits(output: Any, where: str) -> torch.Tensor:
 
 
 def _check_probabilities(labels: torch.Tensor) -> None:
-    """Soft labels must be distributions: multi-hot rows (a multi-label task) would train softmax
-    cross-entropy on a target it cannot mean, silently."""
+    # Multi-hot rows (a multi-label task) would train softmax cross-entropy on them, silently.
     sums = labels.sum(1)
     if not bool((labels >= 0).all() & ((sums - 1).abs() < 1e-3).all()):
         raise ValueError(f"train_one_epoch takes (N, C) labels as class probabilities (rows >= 0 "
@@ -153,7 +148,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     opts, progress = options or LoopOptions(), progress if progress is not None else EpochProgress()
     first, samples, seen, world = progress.batches, progress.samples, 0, get_world_size()
     heartbeat = heartbeat or Heartbeat()  # none given: one that hears nothing
-    shown = _EpochLog(data_loader, device, epoch, first, opts.print_freq, heartbeat)
+    shown = _EpochLog(data_loader, device, epoch, first, opts.print_freq)
     accum, steps = opts.grad_accum_steps, shown.steps
     progress.batches_in_epoch = first + steps
     progress.loss = totals = progress.loss.to(device)  # loss sum, sample count
@@ -210,27 +205,35 @@ def _backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, opts
 
 
 class _EpochLog:
-    """An epoch's progress: a tqdm bar on rank 0 in a terminal, else a log line every
-    ``print_freq`` steps; each shows the mean loss so far over every rank's samples."""
+    """A log line on rank 0 every ``print_freq`` steps: the mean loss so far over every rank's
+    samples, and the rank whose own work (loading its batches) holds the others up, if one does."""
 
     def __init__(self, data_loader: DataLoader, device: torch.device, epoch: int, first: int,
-                 print_freq: int, heartbeat: Heartbeat) -> None:
+                 print_freq: int) -> None:
         try:
-            self.steps = steps = len(data_loader)  # it sets the last accumulation group
+            self.steps = len(data_loader)  # it sets the last accumulation group
         except TypeError:
             raise TypeError("train_one_epoch needs a data loader with a length; give the "
                             "IterableDataset a __len__ (its batches per rank).") from None
         self.epoch, self.first, self.print_freq = epoch, first, print_freq
-        self.heartbeat, self.start = heartbeat, time.perf_counter()
-        self.batches = tqdm(prefetch_to_device(data_loader, device), total=first + steps,
-                            initial=first, disable=not (is_main_process() and sys.stdout.isatty()),
-                            file=sys.stdout, desc=f"[train epoch {epoch}]", dynamic_ncols=True)
+        self.start = self.read = time.perf_counter()
+        self.waited = 0.0  # seconds this rank waited for its batches since self.read
+        self.batches = self._timed(prefetch_to_device(data_loader, device))
+
+    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        # Only the wait for the next batch: a step can also wait for the other ranks.
+        ready = time.perf_counter()
+        for batch in batches:
+            self.waited += time.perf_counter() - ready
+            yield batch
+            ready = time.perf_counter()
 
     def mean_loss(self, totals: torch.Tensor, step: int) -> tuple[float, str]:
         """The mean loss over every rank's samples so far, and in the same all-reduce each rank's
-        own work (loading its batches): the slowest, named."""
+        own work since the last call: the slowest, named."""
         work = totals.new_zeros(get_world_size())  # float64, beside the totals
-        work[get_rank()], seconds = self.heartbeat.own_work()
+        work[get_rank()], seconds = self.waited, time.perf_counter() - self.read
+        self.waited, self.read = 0.0, self.read + seconds
         loss_sum, count, *work = reduce_value(torch.cat([totals, work]), average=False).tolist()
         mean_loss = loss_sum / count if count else float("nan")
         if count and not math.isfinite(mean_loss):  # the same reduced value: every rank raises
@@ -240,18 +243,17 @@ class _EpochLog:
         return mean_loss, slowest(work, seconds)
 
     def line(self, totals: torch.Tensor, step: int, seen: int, lr: float) -> float:
-        """Shows the mean loss after ``step`` of this call, ``seen`` samples in, and returns it."""
+        """Logs the mean loss after ``step`` of this call, ``seen`` samples in, and returns it."""
         epoch, first, steps = self.epoch, self.first, self.steps
         mean_loss, slow = self.mean_loss(totals, first + step)
-        self.batches.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
-        if is_main_process() and self.batches.disable:  # no bar: a log line
+        if is_main_process():
             elapsed = time.perf_counter() - self.start
             eta = round(elapsed / (step + 1) * (steps - step - 1))
             log.info("[train epoch %d] step %d/%d  loss %.4f  lr %.2e  %.0f img/s per "
                      "process  eta %d:%02d", epoch, first + step + 1, first + steps,
                      mean_loss, lr, seen / elapsed, eta // 60, eta % 60)
-        if slow and is_main_process():
-            log.info("[train epoch %d] %s", epoch, slow)
+            if slow:
+                log.info("[train epoch %d] %s", epoch, slow)
         return mean_loss
 
 
@@ -305,21 +307,21 @@ def _val_split(data_loader: DataLoader) -> tuple[int, int, float]:
     """The world size, rank and dataset length of the loader's DistributedSampler, once its set-up
     is checked; without one, (1, 0, inf): no sample is a padded repeat."""
     batches = data_loader.batch_sampler
-    sampler = batches.sampler if isinstance(batches, BatchSampler) else data_loader.sampler
-    sampler = sampler if isinstance(sampler, DistributedSampler) else None
-    if sampler is not None and not getattr(data_loader, "in_order", True):
-        raise ValueError("evaluate needs the val loader's batches in the sampler's order, to tell "
-                         "its padded repeats by position; build it with in_order=True.")
-    if is_main_process() and sampler is None and get_world_size() > 1:  # said once
-        log.warning("evaluate: the loader has no DistributedSampler, so every rank scores the "
-                    "whole val set and each sample counts %d times; give it "
-                    "DistributedSampler(val_set, shuffle=False).", get_world_size())
+    sampler = getattr(batches, "sampler", data_loader.sampler)
     if is_main_process() and (getattr(sampler, "drop_last", False)
                               or getattr(batches, "drop_last", False)):
         log.warning("evaluate: the val loader or its DistributedSampler has drop_last=True, so "
                     "some val samples are never scored; build both with drop_last=False.")
-    return ((sampler.num_replicas, sampler.rank, len(sampler.dataset)) if sampler is not None
-            else (1, 0, math.inf))
+    if not isinstance(sampler, DistributedSampler):
+        if is_main_process() and get_world_size() > 1:  # said once
+            log.warning("evaluate: the loader has no DistributedSampler, so every rank scores the "
+                        "whole val set and each sample counts %d times; give it "
+                        "DistributedSampler(val_set, shuffle=False).", get_world_size())
+        return 1, 0, math.inf
+    if not getattr(data_loader, "in_order", True):
+        raise ValueError("evaluate needs the val loader's batches in the sampler's order, to tell "
+                         "its padded repeats by position; build it with in_order=True.")
+    return sampler.num_replicas, sampler.rank, len(sampler.dataset)
 
 
 @torch.no_grad()
@@ -336,9 +338,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
     stats = torch.zeros(4, device=device, dtype=torch.float64)  # top1, top5, loss sum, count
     confusion, seen = torch.zeros(0, device=device, dtype=torch.int64), 0
     loss_function = nn.CrossEntropyLoss(reduction="none", ignore_index=IGNORE_INDEX)
-    bar = tqdm(data_loader, file=sys.stdout, desc="[valid]", dynamic_ncols=True,
-               disable=not (is_main_process() and sys.stdout.isatty()))
-    for batch in prefetch_to_device(bar, device):  # as in training: the next one moves meanwhile
+    for batch in prefetch_to_device(data_loader, device):  # the next batch moves meanwhile
         images, labels = _unpack(batch, "evaluate", device, opts.channels_last)
         if labels.is_floating_point():
             raise ValueError(f"evaluate needs class indices (N,) as labels, got class "
