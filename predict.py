@@ -40,8 +40,8 @@ class Prediction:
 
 
 def run_file(weights: Path, name: str) -> Path | None:
-    """``name`` beside ``weights`` or one folder up: training writes ``args.json`` and
-    ``class_indices.json`` into its output dir, above ``weights/model-N.pth``."""
+    """``name`` beside ``weights`` or one folder up (training's output dir, above
+    ``weights/model-N.pth``)."""
     folder = weights.absolute().parent  # "model-1.pth" alone: its folder is the working dir
     return next((f / name for f in (folder, folder.parent) if (f / name).is_file()), None)
 
@@ -60,8 +60,7 @@ def load_class_names(path: Path) -> list[str]:
 
 def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
                 img_size: int | None = None) -> nn.Module:
-    """``name`` with ``num_classes`` outputs (a ViT: for ``img_size`` crops) and ``state_dict``
-    loaded (strict), in eval mode."""
+    """``name`` (a ViT: for ``img_size`` crops) with ``state_dict`` loaded, in eval mode."""
     model = get_model(name, num_classes=num_classes, img_size=img_size)
     head = classifier_name(model)  # its last weight: the logits layer's, (num_classes, ...)
     last = [k for k in model.state_dict() if k.startswith(f"{head}.") and k.endswith("weight")]
@@ -87,13 +86,10 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     obj = load_file(weights)  # CPU, weights_only=True: a file from elsewhere cannot run code
     state_dict = extract_state_dict(obj, weights)  # obj is a dict, or this raised
     recorded, classes = obj.get("args"), obj.get("classes")  # none in bare weights: run_file
-    if not isinstance(recorded, dict) and (found := run_file(weights, "args.json")):
-        try:
-            recorded = json.loads(found.read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # damaged: as if there were none
-            pass
-    recorded = recorded if isinstance(recorded, dict) else {}
-    if class_indices or not (isinstance(classes, (list, tuple)) and classes):
+    if recorded is None and (found := run_file(weights, "args.json")):
+        recorded = json.loads(found.read_text(encoding="utf-8"))  # written whole by training
+    recorded = recorded or {}
+    if class_indices or not classes:
         found = class_indices or run_file(weights, "class_indices.json")
         if found is None:
             raise UserError(f"no class names: {weights} holds none and there is no "
@@ -115,8 +111,8 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
 
 
 def collect_images(inputs: Sequence[Path | str]) -> list[Path]:
-    """Files as given (a missing one is reported per image later, so one typo does not stop the
-    rest), folders as the image files below them, sorted; hidden files and folders skipped."""
+    """Files as given (a missing one is reported per image, so one typo stops nothing), folders
+    as the image files below them, sorted; hidden files and folders skipped."""
     paths: list[Path] = []
     for given in map(Path, inputs):
         if not given.is_dir():
@@ -157,8 +153,7 @@ def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str],
 
 
 def format_prediction(pred: Prediction) -> str:
-    """``path<TAB>class: 0.912<TAB>class: 0.051 ...``; tabs since paths and names may hold
-    spaces (a tab or line break inside one is written ``\\t``/``\\n``)."""
+    """``path<TAB>class: 0.912<TAB>class: 0.051 ...`` (a tab or line break in a name: ``\\t``)."""
     pairs = (f"{printable_path(name)}: {prob:.3f}" for name, prob in pred.top_k)
     return "\t".join([printable_path(pred.path), *pairs])
 
