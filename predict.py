@@ -48,14 +48,12 @@ def run_file(weights: Path, name: str) -> Path | None:
 
 def load_class_names(path: Path) -> list[str]:
     """``class_indices.json`` (``{"0": "daisy", "1": "dandelion", ...}``) as a list by index."""
-    try:
+    try:  # a gap would shift every label after it: a KeyError
         data = json.loads(path.read_text(encoding="utf-8"))
         return [str(data[str(i)]) for i in range(len(data))]
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read class indices {path} ({exc}).") from None
-    except (KeyError, TypeError):  # a gap would shift every label after it
-        raise UserError(f"{path} must map the indices 0..N-1 to class names, "
-                        'like {"0": "daisy"}.') from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read class indices {path} ({type(exc).__name__}: {exc}); it must "
+                        'map the indices 0..N-1 to class names, like {"0": "daisy"}.') from None
 
 
 def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
@@ -163,12 +161,11 @@ def main(args: argparse.Namespace) -> None:
         device = pick_device(args.device)  # a mistake: one error line, as in training
         paths = collect_images(args.images)
         if not (paths or args.export):
-            where = f"in {', '.join(map(str, args.images))}" if args.images else "given"
-            raise UserError(f"no image files {where}; name image files or folders, or --export.")
+            raise UserError("no image files found; name image files or folders, or --export.")
         model, classes, preprocess = load_predictor(args.weights, model=args.model,
                                                     img_size=args.img_size,
                                                     class_indices=args.class_indices)
-        if args.export:  # any checkpoint of a run, sharded (fsdp) or not: torchvision's format
+        if args.export:  # from any checkpoint, sharded (fsdp) or not: torchvision's format
             save_atomic(model.state_dict(), args.export)
             return print(f"wrote {args.export}: the model of {args.weights}, as a state dict")
     except UserError as exc:  # CheckpointError too: a missing, damaged or foreign file
@@ -195,22 +192,18 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--weights", type=path_flag, required=True, metavar="PATH",
                        help="checkpoint.pth / model_best.pth, or bare weights/model-N.pth")
     group.add_argument("--class-indices", type=path_flag, metavar="PATH",
-                       help="JSON index -> class name (default: the checkpoint's own list, else "
+                       help="JSON index -> class name (default: the checkpoint's, else "
                             "class_indices.json beside --weights or one folder up)")
-    group.add_argument("--model", help="architecture: a torchvision model name (default: as "
-                       f"recorded in training, else {DEFAULT_MODEL})")
+    group.add_argument("--model", help=f"architecture (default: training's, else {DEFAULT_MODEL})")
     group.add_argument("--export", type=path_flag, metavar="FILE",
-                       help="write the model's weights to FILE (a state dict torchvision loads; "
-                            "from any checkpoint, sharded or not) instead of predicting")
+                       help="write the weights to FILE as a state dict instead of predicting")
     group.add_argument("--img-size", type=positive_int,
-                       help="crop size (default: as recorded in training, "
-                            f"else {DEFAULT_IMG_SIZE})")
+                       help=f"crop size (default: training's, else {DEFAULT_IMG_SIZE})")
     group = parser.add_argument_group("inference")
     group.add_argument("--top-k", type=positive_int, default=5, help="classes printed per image")
     group.add_argument("--device", default="auto",
                        help="auto (CUDA if available), cpu, cuda or cuda:N")
-    group.add_argument("--batch-size", type=positive_int, default=32,
-                       help="images per forward pass")
+    group.add_argument("--batch-size", type=positive_int, default=32, help="images per forward")
     return parser
 
 
