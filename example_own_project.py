@@ -4,11 +4,9 @@ epoch, continues when run again, and stops cleanly on a signal.
     python example_own_project.py                        # one process (GPU, else CPU)
     torchrun --nproc_per_node=2 example_own_project.py   # two processes: NCCL on GPUs, gloo on CPU
 
-Run the same command again and it continues from ``<output-dir>/checkpoint.pth``. Ctrl-C or
-SIGTERM finishes the optimizer step every rank agrees on, saves it and exits; the rerun continues
-at that step. Copy the ``multi_train_utils/`` folder next to your script, then swap in your own
-``Dataset`` and ``nn.Module``. Here: a synthetic 4-class task (the quadrant of the first two of 16
-features).
+Run it again and it continues from ``<output-dir>/checkpoint.pth``; Ctrl-C or SIGTERM saves at
+a step all ranks agree on and exits. Copy ``multi_train_utils/`` next to your script and swap in
+your own ``Dataset`` and ``nn.Module``; here, a synthetic 4-class task.
 """
 
 import argparse
@@ -27,19 +25,18 @@ from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
 
 def make_dataset(size: int, seed: int) -> TensorDataset:
-    """``(size, 16)`` float features and labels in 0..3; a fixed seed gives every rank the same."""
+    """``(size, 16)`` features, labelled 0..3 by the quadrant of the first two; the same on
+    every rank (a fixed seed)."""
     x = torch.randn(size, 16, generator=torch.Generator().manual_seed(seed))
     return TensorDataset(x, (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long())
 
 
 def main(args: argparse.Namespace) -> None:
-    # torchrun/SLURM variables, or one process without them; args is left alone
-    info = init_distributed_mode(device=args.device)
+    info = init_distributed_mode(device=args.device)  # torchrun's variables, or one process
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(info.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # What a rerun continues from: each part has state_dict()/load_state_dict(); one of your
-    # own is one more entry. Every rank reads the file; rank 0 writes it, atomically.
+    # What a rerun continues from: each entry has state_dict()/load_state_dict().
     train = TrainState()  # the epoch, the place in it, the metrics so far
     checkpointer = Checkpointer(args.output_dir, {
         "model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train})
@@ -53,25 +50,23 @@ def main(args: argparse.Namespace) -> None:
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
 
     train_set, val_set = make_dataset(4096, seed=1), make_dataset(1000, seed=2)
-    # Each rank reads its 1/world_size share; evaluate() drops the val sampler's padding.
-    # ResumableSampler is a DistributedSampler whose epoch can start after the samples trained.
+    # Each rank reads its share; ResumableSampler can start an epoch part-way.
     train_sampler = ResumableSampler(train_set, info.world_size, info.rank, shuffle=True)
     val_sampler = DistributedSampler(val_set, info.world_size, info.rank, shuffle=False)
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler)
     val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler)
 
-    # In this block a stop signal only asks to stop: after each optimizer step the ranks agree
-    # whether to (step_saves), save where the epoch stands, and stop.stop() exits.
+    # A signal only asks to stop: after each step the ranks agree whether to (step_saves).
     with stop_requests() as stop:
         for epoch in range(train.epoch, args.epochs):
             train.epoch = epoch
-            train_sampler.set_epoch(epoch, skip=train.progress.samples)  # a new shuffle; a
-            loss = train_one_epoch(                       # stopped epoch deals only its rest
+            train_sampler.set_epoch(epoch, skip=train.progress.samples)  # a stopped epoch: its rest
+            loss = train_one_epoch(
                 model, optimizer, train_loader, info.device, epoch, progress=train.progress,
                 after_step=step_saves(stop, checkpointer.save, every=args.save_every_steps))
             if train.progress.stopped:  # saved at the step every rank stopped after
-                stop.stop()  # exit code 128 + the signal, and a line saying to rerun
-            result = evaluate(model, val_loader, info.device)  # exact, summed over all ranks
+                stop.stop()  # exits with 128 + the signal
+            result = evaluate(model, val_loader, info.device)  # exact: the padding dropped
             record = {"epoch": epoch, "train_loss": loss, "val_acc": result.top1}
             train.metrics.append(record)
             train.progress = EpochProgress()  # the epoch is done: no place in it to save
@@ -97,5 +92,5 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    # Signals, exit codes and one-line errors around main; it also sets up logging per rank.
+    # guarded: one-line errors, an exit code per signal, logging set up per rank.
     guarded(main, get_args_parser().parse_args())

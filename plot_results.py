@@ -1,6 +1,5 @@
-"""Compare training runs as PNG charts, each number read from a run's ``metrics.jsonl`` (one JSON
-object per epoch, written by the training script into its ``--output-dir``).
-"""
+"""Compare training runs as PNG charts, read from the ``metrics.jsonl`` (one JSON object per
+epoch) that training writes into its ``--output-dir``."""
 
 from __future__ import annotations
 
@@ -23,22 +22,20 @@ REQUIRED_KEYS = ("epoch", "train_loss", "val_acc", "epoch_seconds")
 
 
 class Run(NamedTuple):
-    """One training run: its label and its epoch records, sorted by epoch, one per epoch."""
+    """A training run: its label and its epoch records, one per epoch, in order."""
 
     label: str
     records: list[dict[str, Any]]
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        """``(epochs, values)`` of the records that have a value under ``key`` (``val_loss``
-        is null in an epoch without validation)."""
+        """``(epochs, values)`` of the records with a value under ``key`` (not null)."""
         points = [(r["epoch"], r[key]) for r in self.records if r.get(key) is not None]
         return [e for e, _ in points], [v for _, v in points]
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
-    """Read a ``metrics.jsonl``; malformed lines are skipped with a warning on stderr. When an
-    epoch appears more than once (a run resumed from an older checkpoint re-trains those epochs),
-    the last record wins: it describes the weights the run continued from."""
+    """A ``metrics.jsonl``'s records, malformed lines skipped with a warning. An epoch recorded
+    twice (a run resumed from an older checkpoint trains it again): the last record."""
     try:  # undecodable bytes become a malformed line
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
@@ -52,7 +49,7 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
             record = None
         if isinstance(record, dict) and all(
                 isinstance(record.get(k), (int, float)) for k in REQUIRED_KEYS):
-            by_epoch[int(record["epoch"])] = {**record, "epoch": int(record["epoch"])}
+            by_epoch[record["epoch"]] = record
         elif line.strip():
             print(f"warning: {path}:{lineno}: skipping a line that is not an epoch record with "
                   f"{', '.join(REQUIRED_KEYS)}.", file=sys.stderr)
@@ -62,7 +59,7 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def load_runs(run_dirs: Sequence[Path], labels: Sequence[str] | None = None) -> list[Run]:
-    """Read every run directory; ``labels`` (one per run) replace the folder names."""
+    """The runs in ``run_dirs``, named by ``labels`` (one per run) or their folders."""
     if labels and len(labels) != len(run_dirs):
         raise UserError(f"got {len(labels)} --labels for {len(run_dirs)} runs; "
                         "give one label per run.")
@@ -121,14 +118,12 @@ def main(args: argparse.Namespace) -> None:
     out = Path(args.out_dir)
     try:
         runs = load_runs(args.run_dirs, args.labels)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            for name, plot in CHARTS.items():
-                plot(runs).savefig(out / name, dpi=args.dpi)
-        except OSError as exc:  # a file in the way, a read-only folder, a full disk
-            raise UserError(f"cannot write the plots into --out-dir {out} "
-                            f"({exc.strerror or exc}).") from None
-    except UserError as exc:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, plot in CHARTS.items():
+            plot(runs).savefig(out / name, dpi=args.dpi)
+    except (UserError, OSError) as exc:  # OSError: a file in the way, a read-only or full disk
+        if isinstance(exc, OSError):
+            exc = f"cannot write the plots into --out-dir {out} ({exc.strerror or exc})."
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print("\n".join(str(out / name) for name in CHARTS))

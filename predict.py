@@ -40,28 +40,25 @@ class Prediction:
 
 
 def run_file(weights: Path, name: str) -> Path | None:
-    """``name`` beside ``weights`` or one folder up: training writes ``args.json`` and
-    ``class_indices.json`` into its output dir, above ``weights/model-N.pth``."""
+    """``name`` beside ``weights`` or one folder up (training's output dir, above
+    ``weights/model-N.pth``)."""
     folder = weights.absolute().parent  # "model-1.pth" alone: its folder is the working dir
     return next((f / name for f in (folder, folder.parent) if (f / name).is_file()), None)
 
 
 def load_class_names(path: Path) -> list[str]:
     """``class_indices.json`` (``{"0": "daisy", "1": "dandelion", ...}``) as a list by index."""
-    try:
+    try:  # a gap would shift every label after it: a KeyError
         data = json.loads(path.read_text(encoding="utf-8"))
         return [str(data[str(i)]) for i in range(len(data))]
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read class indices {path} ({exc}).") from None
-    except (KeyError, TypeError):  # a gap would shift every label after it
-        raise UserError(f"{path} must map the indices 0..N-1 to class names, "
-                        'like {"0": "daisy"}.') from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read class indices {path} ({type(exc).__name__}: {exc}); it must "
+                        'map the indices 0..N-1 to class names, like {"0": "daisy"}.') from None
 
 
 def build_model(name: str, state_dict: dict[str, Tensor], num_classes: int,
                 img_size: int | None = None) -> nn.Module:
-    """``name`` with ``num_classes`` outputs (a ViT: for ``img_size`` crops) and ``state_dict``
-    loaded (strict), in eval mode."""
+    """``name`` (a ViT: for ``img_size`` crops) with ``state_dict`` loaded, in eval mode."""
     model = get_model(name, num_classes=num_classes, img_size=img_size)
     head = classifier_name(model)  # its last weight: the logits layer's, (num_classes, ...)
     last = [k for k in model.state_dict() if k.startswith(f"{head}.") and k.endswith("weight")]
@@ -87,13 +84,10 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     obj = load_file(weights)  # CPU, weights_only=True: a file from elsewhere cannot run code
     state_dict = extract_state_dict(obj, weights)  # obj is a dict, or this raised
     recorded, classes = obj.get("args"), obj.get("classes")  # none in bare weights: run_file
-    if not isinstance(recorded, dict) and (found := run_file(weights, "args.json")):
-        try:
-            recorded = json.loads(found.read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # damaged: as if there were none
-            pass
-    recorded = recorded if isinstance(recorded, dict) else {}
-    if class_indices or not (isinstance(classes, (list, tuple)) and classes):
+    if recorded is None and (found := run_file(weights, "args.json")):
+        recorded = json.loads(found.read_text(encoding="utf-8"))  # written whole by training
+    recorded = recorded or {}
+    if class_indices or not classes:
         found = class_indices or run_file(weights, "class_indices.json")
         if found is None:
             raise UserError(f"no class names: {weights} holds none and there is no "
@@ -115,8 +109,8 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
 
 
 def collect_images(inputs: Sequence[Path | str]) -> list[Path]:
-    """Files as given (a missing one is reported per image later, so one typo does not stop the
-    rest), folders as the image files below them, sorted; hidden files and folders skipped."""
+    """Files as given (a missing one is reported per image, so one typo stops nothing), folders
+    as the image files below them, sorted; hidden files and folders skipped."""
     paths: list[Path] = []
     for given in map(Path, inputs):
         if not given.is_dir():
@@ -157,8 +151,7 @@ def predict(model: nn.Module, paths: Sequence[Path], classes: Sequence[str],
 
 
 def format_prediction(pred: Prediction) -> str:
-    """``path<TAB>class: 0.912<TAB>class: 0.051 ...``; tabs since paths and names may hold
-    spaces (a tab or line break inside one is written ``\\t``/``\\n``)."""
+    """``path<TAB>class: 0.912<TAB>class: 0.051 ...`` (a tab or line break in a name: ``\\t``)."""
     pairs = (f"{printable_path(name)}: {prob:.3f}" for name, prob in pred.top_k)
     return "\t".join([printable_path(pred.path), *pairs])
 
@@ -168,12 +161,11 @@ def main(args: argparse.Namespace) -> None:
         device = pick_device(args.device)  # a mistake: one error line, as in training
         paths = collect_images(args.images)
         if not (paths or args.export):
-            where = f"in {', '.join(map(str, args.images))}" if args.images else "given"
-            raise UserError(f"no image files {where}; name image files or folders, or --export.")
+            raise UserError("no image files found; name image files or folders, or --export.")
         model, classes, preprocess = load_predictor(args.weights, model=args.model,
                                                     img_size=args.img_size,
                                                     class_indices=args.class_indices)
-        if args.export:  # any checkpoint of a run, sharded (fsdp) or not: torchvision's format
+        if args.export:  # from any checkpoint, sharded (fsdp) or not: torchvision's format
             save_atomic(model.state_dict(), args.export)
             return print(f"wrote {args.export}: the model of {args.weights}, as a state dict")
     except UserError as exc:  # CheckpointError too: a missing, damaged or foreign file
@@ -200,22 +192,18 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--weights", type=path_flag, required=True, metavar="PATH",
                        help="checkpoint.pth / model_best.pth, or bare weights/model-N.pth")
     group.add_argument("--class-indices", type=path_flag, metavar="PATH",
-                       help="JSON index -> class name (default: the checkpoint's own list, else "
+                       help="JSON index -> class name (default: the checkpoint's, else "
                             "class_indices.json beside --weights or one folder up)")
-    group.add_argument("--model", help="architecture: a torchvision model name (default: as "
-                       f"recorded in training, else {DEFAULT_MODEL})")
+    group.add_argument("--model", help=f"architecture (default: training's, else {DEFAULT_MODEL})")
     group.add_argument("--export", type=path_flag, metavar="FILE",
-                       help="write the model's weights to FILE (a state dict torchvision loads; "
-                            "from any checkpoint, sharded or not) instead of predicting")
+                       help="write the weights to FILE as a state dict instead of predicting")
     group.add_argument("--img-size", type=positive_int,
-                       help="crop size (default: as recorded in training, "
-                            f"else {DEFAULT_IMG_SIZE})")
+                       help=f"crop size (default: training's, else {DEFAULT_IMG_SIZE})")
     group = parser.add_argument_group("inference")
     group.add_argument("--top-k", type=positive_int, default=5, help="classes printed per image")
     group.add_argument("--device", default="auto",
                        help="auto (CUDA if available), cpu, cuda or cuda:N")
-    group.add_argument("--batch-size", type=positive_int, default=32,
-                       help="images per forward pass")
+    group.add_argument("--batch-size", type=positive_int, default=32, help="images per forward")
     return parser
 
 

@@ -1,5 +1,4 @@
-"""What a run records and shows: ``metrics.jsonl`` lines, TensorBoard, JSON files written whole,
-figures (saved as files; pyplot only to show one)."""
+"""What a run records: ``metrics.jsonl`` lines, TensorBoard, JSON files written whole, plots."""
 
 from __future__ import annotations
 
@@ -60,10 +59,9 @@ def epoch_record(epoch: int, train_loss: float, result: Any, lr: float, seconds:
                        f"{prefix}val_loss": round(res.loss, 6), f"{prefix}val_top5": top5}
     record |= dict(lr=lr, epoch_seconds=round(seconds, 3),
                    train_images_per_sec=round(images_per_sec, 2))
-    log.info("[epoch {epoch}] train loss {train_loss:.4f}  val acc {val_acc:.4f}  val loss "
-             "{val_loss:.4f}  lr {lr:.2e}  {train_images_per_sec:.0f} img/s".format(**record)
-             + ("  EMA: val acc {ema_val_acc:.4f}  val loss {ema_val_loss:.4f}".format(**record)
-                if ema is not None else ""))
+    ema_text = f"  EMA: val acc {ema.top1:.4f}  val loss {ema.loss:.4f}" if ema is not None else ""
+    log.info(f"[epoch {epoch}] train loss {train_loss:.4f}  val acc {result.top1:.4f}  val loss "
+             f"{result.loss:.4f}  lr {lr:.2e}  {images_per_sec:.0f} img/s{ema_text}")
     return record
 
 
@@ -75,14 +73,11 @@ def log_epoch(writer: Any, record: dict[str, Any]) -> None:
     writer.flush()
 
 
-def tick_label(name: str, width: int = 24) -> str:
-    """``name`` cut in the middle to ``width`` characters for an axis, both ends kept so
-    "..._male" and "..._female" differ."""
+def tick_label(name: str) -> str:
+    """``name`` as an axis label: cut in the middle to 24 characters, so "..._male" and
+    "..._female" still differ."""
     name = printable_path(name)  # bytes that are not UTF-8 as \xNN: fonts refuse surrogates
-    if len(name) <= width:
-        return name
-    head = (width - 1) // 2
-    return name[:head] + "\u2026" + name[len(name) - (width - 1 - head):]
+    return name if len(name) <= 24 else f"{name[:11]}\u2026{name[-12:]}"
 
 
 def plot_class_distribution(classes: Sequence[str], counts: Sequence[int],

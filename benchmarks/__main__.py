@@ -137,39 +137,31 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="training crop for the loop and scaling runs")
     parser.add_argument("--batch-size", "--batch_size", type=int, default=16,
                         help="per process (and the batch a pipeline worker collates)")
-    parser.add_argument("--num-classes", type=int, default=5,
-                        help="classifier outputs (the labels are synthetic)")
+    parser.add_argument("--num-classes", type=int, default=5, help="classifier outputs")
     parser.add_argument("--lr", type=float, default=0.001, help="x world size, as in training")
     parser.add_argument("--pipeline-images", type=int, default=200,
                         help="JPEGs decoded per pipeline pass")
     parser.add_argument("--pipeline-size", type=int, default=224,
                         help="crop of the pipeline comparison (the template's 224)")
-    parser.add_argument("--image-dir", default=None, type=path_flag,
-                        help="where the test JPEGs are generated and cached "
-                             "(default: ddp-template/bench_photos_v1 in $XDG_CACHE_HOME or "
-                             "~/.cache)")
+    parser.add_argument("--image-dir", type=path_flag, help="where the test JPEGs are cached "
+                        "(default: ddp-template/bench_photos_v1 in $XDG_CACHE_HOME or ~/.cache)")
     parser.add_argument("--gpu-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="also time decode_jpeg(device='cuda') (default: on with CUDA)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="DataLoader workers of the with-data stage "
-                             "(default: the training script's: CPUs per process - 1 on CUDA, "
-                             "at most 8 on CPU, at most the batch size)")
+    parser.add_argument("--workers", type=int, help="DataLoader workers of the with_data stage "
+                        "(default: the training script's)")
     parser.add_argument("--decode-workers", type=int, default=4,
-                        help="at most this many loader workers for --decode device in the "
-                             "decode stage (the target's: 4)")
+                        help="at most this many loader workers for the decode stage's device runs")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--warmup-steps", type=int, default=3,
-                        help="untimed steps first (at least 1: they start the loader workers "
-                             "and let cuDNN pick its kernels)")
+                        help="untimed steps first (at least 1: loader workers start, cuDNN tunes)")
     parser.add_argument("--repeats", type=int, default=9,
                         help="timed repeats of each measurement (medians and best are reported)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per process on CPU (loop and every rank)")
-    parser.add_argument("--max-procs", type=int, default=None,
-                        help="largest process count for scaling "
-                             "(default: visible GPUs, or 2 on CPU)")
+    parser.add_argument("--max-procs", type=int,
+                        help="largest process count for scaling (default: the GPUs, or 2 on CPU)")
     parser.add_argument("--epoch-images", type=int, default=scaling.FLOWER_TRAIN_IMAGES,
-                        help="images in one epoch for the time-per-epoch chart "
+                        help="images per epoch in the time-per-epoch chart "
                              "(default: %(default)s, flower_photos' training split)")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                         help="auto: CUDA if available, else the CPU")
@@ -185,15 +177,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
                         help="DDP gradient compression, as the training flag")
     parser.add_argument("--grad-accum-steps", type=int, default=1,
-                        help="batches per gradient all-reduce in the scaling runs, as the "
-                             "training flag")
+                        help="batches per gradient all-reduce in the scaling runs")
     parser.add_argument("--explain-scaling", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the largest process count without communication "
-                             "(the hardware's ceiling), without SyncBN and with the other "
-                             "comm hooks, and time the all-reduce alone")
+                        help="also run the largest process count without communication, without "
+                             "SyncBN and with the other comm hooks; time the all-reduce alone")
     parser.add_argument("--startup-files", type=int, nargs="+", default=list(startup.FILES),
-                        help="folder sizes the startup stage times (hard links, made and "
-                             "deleted in a temporary folder)")
+                        help="folder sizes the startup stage times (hard links, made and deleted)")
     parser.add_argument("--start-method", default="spawn", choices=["spawn", "forkserver"],
                         help="how ranks start (forkserver: torch imported once, for smoke runs)")
     parser.add_argument("--seed", type=int, default=0,
