@@ -166,9 +166,7 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
             elif entry.is_file():
                 found.append(entry.path)
             else:  # a FIFO would block its reader
-                gone = entry.is_symlink() and not os.path.exists(entry.path)
-                skipped.append((entry.path, "dangling link or missing file" if gone
-                                else "not a regular file"))
+                skipped.append((entry.path, "dangling link or not a regular file"))
     return sorted(found), skipped
 
 

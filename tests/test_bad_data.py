@@ -141,7 +141,7 @@ def test_scan_skips_and_lists_every_kind_of_junk(messy):
     assert scan.skipped == sorted(scan.skipped)
     lines = scan.summary().splitlines()
     assert lines[0] == (f"21 images in 4 classes in {messy}; skipped 11 files (dangling link or "
-                        "missing file: 1, "
+                        "not a regular file: 1, "
                         "empty file: 1, hidden: 3, linked folder, not "
                         "followed: 1, not a readable image: 3, not an image extension: 1, not in "
                         "a class folder: 1)")
@@ -162,11 +162,12 @@ def test_without_verify_only_names_and_types_are_read(tmp_path, monkeypatch):
     monkeypatch.setattr(image_folder, "check_image", lambda path: pytest.fail(f"{path} was opened"))
     quick = scan_image_folder(root, verify=False)
     assert set(stats) == {root, root / "a", root / "b", root / "b" / "more"}
-    assert quick.skipped == [(str(root / "a" / "pipe.jpg"), "not a regular file")]
+    pipe = (str(root / "a" / "pipe.jpg"), "dangling link or not a regular file")
+    assert quick.skipped == [pipe]
     assert {str(root / "a" / "zero.jpg"), str(root / "b" / "bad.jpg")} <= {*sum(quick.images, [])}
     monkeypatch.undo()
     assert scan_image_folder(root).skipped == [
-        (str(root / "a" / "pipe.jpg"), "not a regular file"),
+        pipe,
         (str(root / "a" / "zero.jpg"), "empty file"),
         (str(root / "b" / "bad.jpg"), "not a readable image (UnidentifiedImageError: cannot "
          f"identify image file '{root / 'b' / 'bad.jpg'}')")]
