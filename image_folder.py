@@ -33,7 +33,7 @@ SCAN_FILE = "file_list.json"  # a run's FolderScan; moved aside with the run (ru
 STOPPED_SCAN_FILE = "stopped_epoch_file_list.json"  # the list a stopped epoch began with
 # Why files were skipped that may read well later though no folder's times changed (a copy
 # finished, storage mounted): a stored list reads them again.
-PASSING = ("not a readable image", "empty file", "dangling link", "permission denied")
+PASSING = ("not a readable image", "empty file", "dangling link")
 
 
 class DataError(UserError):
@@ -54,19 +54,18 @@ class FolderScan:
     digest: str = ""  # of the classes and images below the root: which list an epoch drew from
 
     def summary(self, examples: int = 10) -> str:
-        """A line of counts, then up to ``examples`` skipped files, one of each reason first:
-        30 sidecar .txt files must not hide the one corrupt image."""
+        """A line of counts, skipped files counted by reason, then the first ``examples`` of
+        them (all are in skipped_files.txt)."""
         line = f"{sum(map(len, self.images))} images in {len(self.classes)} classes in {self.root}"
         if not self.skipped:
             return line
-        reasons = [why.split(" (")[0] for _, why in self.skipped]
+        reasons = Counter(why.split(" (")[0] for _, why in self.skipped)
         line += f"; skipped {len(self.skipped)} files (" + ", ".join(
-            f"{why}: {n}" for why, n in sorted(Counter(reasons).items())) + ")"
-        first = {why: i for i, why in reversed(list(enumerate(reasons)))}  # each reason's first
-        order = sorted(range(len(reasons)), key=lambda i: first[reasons[i]] != i)
-        shown = [f"  skipped {p}: {why}" for p, why in (self.skipped[i] for i in order[:examples])]
-        more = [f"  ... and {len(order) - examples} more"] if len(order) > examples else []
-        return "\n".join([line, *shown, *more])
+            f"{why}: {n}" for why, n in sorted(reasons.items())) + ")"
+        shown = [f"  skipped {p}: {why}" for p, why in self.skipped[:examples]]
+        if len(self.skipped) > examples:
+            shown.append(f"  ... and {len(self.skipped) - examples} more")
+        return "\n".join([line, *shown])
 
     def resume_epoch(self, progress: EpochProgress, ckpt: dict[str, Any], out: Path,
                      train_paths: list[str]) -> None:
@@ -136,10 +135,6 @@ def _class_folders(root: str, times: dict[str, list[int]]
     for entry in entries:
         if entry.is_dir() and not entry.name.startswith("."):  # .git, .cache: no classes
             classes.append(entry.name)
-        elif entry.is_symlink() and not os.path.exists(entry.path) and "." not in entry.name:
-            raise DataError(f"class folder {printable_path(entry.name)} in {root} is a link to "
-                            f"{os.readlink(entry.path)}, which does not exist (storage not "
-                            "mounted?); mount it, or remove the link to train without that class.")
         else:
             skipped.append((entry.path, "not in a class folder"))
     return classes, skipped
@@ -160,21 +155,18 @@ def _walk_class(folder: str, times: dict[str, list[int]], below: int
             skipped.append((top, f"unreadable folder ({exc.strerror})"))
             continue
         for entry in entries:
-            hidden = entry.name.startswith(".")
-            if entry.is_dir():  # a link to a folder too, not entered: a link up the tree loops
-                if hidden or entry.is_symlink():
-                    skipped.append((entry.path, "hidden folder" if hidden
-                                    else "linked folder, not followed"))
-                else:
-                    todo.append(entry.path)
-            elif hidden or not entry.name.lower().endswith(IMG_EXTENSIONS):
-                skipped.append((entry.path, "hidden file" if hidden else "not an image extension"))
+            if entry.name.startswith("."):  # .DS_Store, .thumbs/, ._x.jpg: no images
+                skipped.append((entry.path, "hidden"))
+            elif entry.is_dir() and entry.is_symlink():  # not entered: a link up the tree loops
+                skipped.append((entry.path, "linked folder, not followed"))
+            elif entry.is_dir():
+                todo.append(entry.path)
+            elif not entry.name.lower().endswith(IMG_EXTENSIONS):
+                skipped.append((entry.path, "not an image extension"))
             elif entry.is_file():
                 found.append(entry.path)
             else:  # a FIFO would block its reader
-                gone = entry.is_symlink() and not os.path.exists(entry.path)
-                skipped.append((entry.path, "dangling link or missing file" if gone
-                                else "not a regular file"))
+                skipped.append((entry.path, "dangling link or not a regular file"))
     return sorted(found), skipped
 
 
@@ -187,15 +179,9 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
         return scan
     times: dict[str, list[int]] = {}
     classes, skipped = _class_folders(root, times)
-    if not classes:  # --data-path flower_photos/roses: a class folder, holding images itself
-        hint = (f"; it holds images itself: did you mean {os.path.dirname(os.path.abspath(root))}?"
-                if any(p.lower().endswith(IMG_EXTENSIONS) for p, _ in skipped) else ".")
-        if min_classes == 1 and hint != ".":  # --val-path: ILSVRC2012's validation set, as it ships
-            hint = "; it holds images itself: sort them into folders named as the training classes."
-        raise DataError(f"data path {root} has no class sub-folders; expected {LAYOUT}{hint}")
-    if len(classes) < min_classes:
-        raise DataError(f"data path {root} has {len(classes)} class folder(s) ("
-                        f"{', '.join(classes)}); at least {min_classes} are needed, {LAYOUT}.")
+    if len(classes) < min_classes:  # e.g. --data-path flower_photos/roses: a class folder
+        raise DataError(f"data path {root} has {len(classes)} class folder(s); at least "
+                        f"{min_classes} are needed, {LAYOUT}.")
     below = len(os.path.join(root, ""))
     walks = [_walk_class(os.path.join(root, name), times, below) for name in classes]
     images = [found for found, _ in walks]
@@ -210,11 +196,8 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
     skipped = sorted((printable_path(p), why) for p, why in [*skipped, *bad.items()])
     for name, found in zip(classes, images):
         if not found:
-            folder = printable_path(os.path.join(root, name))
-            inside = [f"{p}: {why}" for p, why in skipped if p.startswith(folder + os.sep)]
-            note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
-            raise DataError(f"class folder {folder} has no usable image{note}; add images or "
-                            "remove the folder.")
+            raise DataError(f"class folder {printable_path(os.path.join(root, name))} has no "
+                            "usable image; add images or remove the folder.")
     text = json.dumps([classes, [[p[below:] for p in found] for found in images]])  # ASCII
     return FolderScan(root, classes, images, skipped, times, verified=verify,
                       digest=hashlib.sha256(text.encode()).hexdigest())
@@ -340,23 +323,13 @@ def imagenet_layout(data_path: str | None, val_path: str | None, *, eval_only: b
     classes = _class_folders(str(train), {})[0]
     if not classes:  # train/ holds images itself: a class named "train"
         return data_path, val_path
-    if not val.is_dir():
-        raise DataError(f"{train} holds class folders, but {root} has no val/ beside it, so its "
-                        f"own folders would be taken as classes; give --data-path {train} (which "
-                        "holds out --val-rate of it), and --val-path FOLDER to validate on one.")
-    val_classes, loose = _class_folders(str(val), {})
-    images = sum(path.lower().endswith(IMG_EXTENSIONS) and not Path(path).name.startswith(".")
-                 for path, _ in loose)  # macOS's ._x.JPEG: no image, and never read
-    if images or not val_classes:
-        what = f"{images} image(s) outside its class folders" if val_classes else "no class folders"
-        raise DataError(f"{val} holds {what} (ILSVRC2012's validation images come in one folder, "
-                        "their labels in a separate file); sort them into a folder per class as "
-                        f"in {train}, or train on --data-path {train} alone, which holds out "
-                        "--val-rate of it.")
-    if differ := sorted(set(classes) ^ set(val_classes)):
-        raise DataError(f"{train} and {val} have different class folders ({', '.join(differ[:5])}"
-                        " in one only); give both the same classes (or, to validate on some, "
-                        f"--data-path {train} --val-path {val}).")
+    val_classes, loose = _class_folders(str(val), {}) if val.is_dir() else ([], [])
+    images = [p for p, _ in loose if p.lower().endswith(IMG_EXTENSIONS)
+              and not Path(p).name.startswith(".")]  # macOS's ._x.JPEG: no image, never read
+    if images or val_classes != classes:  # ILSVRC2012's val/ ships as one folder of images
+        raise DataError(f"{train} holds class folders, so {val} must hold the same ones and no "
+                        "image beside them; sort its images so, or give --data-path "
+                        f"{train} (which holds out --val-rate of it) and --val-path FOLDER.")
     data_path = None if eval_only else str(train)
     log.info("%s holds train/ and val/: training on %s, validating on %s", root,
              data_path or "none", val)

@@ -4,6 +4,7 @@ run (docs/bad-data.md)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import logging
 import os
@@ -30,10 +31,6 @@ try:  # once torchvision's decoders are gone too, and no TorchCodec, PIL decodes
     from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:  # pragma: no cover - depends on the installed torchvision
     decode_jpeg = None
-try:  # POSIX; on Windows the appends to a skip log go unlocked
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +92,7 @@ def check_image(path: str) -> str | None:
     sure."""
     try:
         st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block its reader
             return "not a regular file"
         if st.st_size == 0:
             return "empty file"
@@ -103,15 +100,9 @@ def check_image(path: str) -> str | None:
             f.seek(max(0, st.st_size - 1024))
             tail = f.read()
         with Image.open(path) as img:
-            if min(img.size) < 1:
-                return "image has no pixels"
             if not {"JPEG": b"\xff\xd9" in tail, "PNG": b"IEND" in tail}.get(img.format, True):
                 img.load()  # raises "image file is truncated" if it really is
         return None
-    except FileNotFoundError:
-        return "dangling link or missing file"
-    except PermissionError:
-        return "permission denied"
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         if _machine_error(exc):
             raise
@@ -225,8 +216,7 @@ def report_unreadable(path: str, exc: Exception, skip_log: str | os.PathLike | N
         return
     try:
         with open(skip_log, "a+", encoding="utf-8", errors="backslashreplace") as f:
-            if fcntl is not None:
-                fcntl.flock(f, fcntl.LOCK_EX)
+            fcntl.flock(f, fcntl.LOCK_EX)
             f.seek(0)
             if not any(line.startswith(name + "\t") for line in f):
                 f.write(f"{name}\t{reason}\n")
