@@ -135,6 +135,10 @@ def _class_folders(root: str, times: dict[str, list[int]]
     for entry in entries:
         if entry.is_dir() and not entry.name.startswith("."):  # .git, .cache: no classes
             classes.append(entry.name)
+        elif entry.is_symlink() and not os.path.exists(entry.path) and "." not in entry.name:
+            raise DataError(f"class folder {printable_path(entry.name)} in {root} is a link to "
+                            f"{os.readlink(entry.path)}, which does not exist (storage not "
+                            "mounted?); mount it, or remove the link to train without that class.")
         else:
             skipped.append((entry.path, "not in a class folder"))
     return classes, skipped
@@ -179,9 +183,15 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
         return scan
     times: dict[str, list[int]] = {}
     classes, skipped = _class_folders(root, times)
-    if len(classes) < min_classes:  # e.g. --data-path flower_photos/roses: a class folder
-        raise DataError(f"data path {root} has {len(classes)} class folder(s); at least "
-                        f"{min_classes} are needed, {LAYOUT}.")
+    if not classes:  # --data-path flower_photos/roses: a class folder, holding images itself
+        hint = (f"; it holds images itself: did you mean {os.path.dirname(os.path.abspath(root))}?"
+                if any(p.lower().endswith(IMG_EXTENSIONS) for p, _ in skipped) else ".")
+        if min_classes == 1 and hint != ".":  # --val-path: ILSVRC2012's validation set, as it ships
+            hint = "; it holds images itself: sort them into folders named as the training classes."
+        raise DataError(f"data path {root} has no class sub-folders; expected {LAYOUT}{hint}")
+    if len(classes) < min_classes:
+        raise DataError(f"data path {root} has {len(classes)} class folder(s) ("
+                        f"{', '.join(classes)}); at least {min_classes} are needed, {LAYOUT}.")
     below = len(os.path.join(root, ""))
     walks = [_walk_class(os.path.join(root, name), times, below) for name in classes]
     images = [found for found, _ in walks]
@@ -196,8 +206,11 @@ def scan_image_folder(root: str | os.PathLike, *, verify: bool = True, min_class
     skipped = sorted((printable_path(p), why) for p, why in [*skipped, *bad.items()])
     for name, found in zip(classes, images):
         if not found:
-            raise DataError(f"class folder {printable_path(os.path.join(root, name))} has no "
-                            "usable image; add images or remove the folder.")
+            folder = printable_path(os.path.join(root, name))
+            inside = [f"{p}: {why}" for p, why in skipped if p.startswith(folder + os.sep)]
+            note = f" (skipped {len(inside)} files, e.g. {inside[0]})" if inside else ""
+            raise DataError(f"class folder {folder} has no usable image{note}; add images or "
+                            "remove the folder.")
     text = json.dumps([classes, [[p[below:] for p in found] for found in images]])  # ASCII
     return FolderScan(root, classes, images, skipped, times, verified=verify,
                       digest=hashlib.sha256(text.encode()).hexdigest())

@@ -85,8 +85,11 @@ def load_predictor(weights: Path | str, *, model: str | None = None, img_size: i
     state_dict = extract_state_dict(obj, weights)  # obj is a dict, or this raised
     recorded, classes = obj.get("args"), obj.get("classes")  # none in bare weights: run_file
     if recorded is None and (found := run_file(weights, "args.json")):
-        recorded = json.loads(found.read_text(encoding="utf-8"))  # written whole by training
-    recorded = recorded or {}
+        try:
+            recorded = json.loads(found.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # damaged: as if there were none
+            pass
+    recorded = recorded if isinstance(recorded, dict) else {}
     if class_indices or not classes:
         found = class_indices or run_file(weights, "class_indices.json")
         if found is None:

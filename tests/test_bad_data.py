@@ -191,15 +191,21 @@ def _deny(monkeypatch, *denied: Path) -> None:
     ("unreadable", "cannot read data folder {root} (Permission denied); give the training user "
                    "read and execute access to it."),
     # --data-path flower_photos/roses: the folder of one class
-    ("class_folder", "data path {root} has 0 class folder(s); at least 2 are needed, one "
-                     "sub-folder of images per class (e.g. flower_photos/daisy/*.jpg)."),
+    ("class_folder", "data path {root} has no class sub-folders; expected one sub-folder of "
+                     "images per class (e.g. flower_photos/daisy/*.jpg); it holds images "
+                     "itself: did you mean {parent}?"),
     # --val-path ILSVRC2012/val: its 50,000 images in one folder, as it ships
-    ("flat_val", "data path {root} has 0 class folder(s); at least 1 are needed, one sub-folder "
-                 "of images per class (e.g. flower_photos/daisy/*.jpg)."),
-    ("one_class", "data path {root} has 1 class folder(s); at least 2 are needed, one "
+    ("flat_val", "data path {root} has no class sub-folders; expected one sub-folder of images "
+                 "per class (e.g. flower_photos/daisy/*.jpg); it holds images itself: sort them "
+                 "into folders named as the training classes."),
+    ("one_class", "data path {root} has 1 class folder(s) (a); at least 2 are needed, one "
                   "sub-folder of images per class"),
-    ("empty_class", "class folder {root}/b has no usable image; add images or remove the "
+    ("empty_class", "class folder {root}/b has no usable image (skipped 2 files, e.g. "
+                    "{root}/b/notes.txt: not an image extension); add images or remove the "
                     "folder."),
+    ("not_mounted", "class folder roses in {root} is a link to {parent}/nas/roses, which does not "
+                    "exist (storage not mounted?); mount it, or remove the link to train "
+                    "without that class."),
 ])
 def test_layout_mistakes_are_one_sentence_naming_the_path(tmp_path, monkeypatch, case, message):
     root = tmp_path / "data"
@@ -218,6 +224,9 @@ def test_layout_mistakes_are_one_sentence_naming_the_path(tmp_path, monkeypatch,
         (root / "b").mkdir()
         (root / "b" / "notes.txt").write_text("x")
         (root / "b" / "zero.jpg").write_bytes(b"")
+    elif case == "not_mounted":
+        two_class_data(root, 1)
+        (root / "roses").symlink_to(tmp_path / "nas" / "roses", target_is_directory=True)
     with pytest.raises(DataError) as err:
         scan_image_folder(root, min_classes=1 if case == "flat_val" else 2)  # 1: a --val-path
     assert str(err.value).startswith(message.format(root=root, parent=tmp_path))
