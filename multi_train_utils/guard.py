@@ -46,8 +46,9 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True, stream=sys.stderr)
 
 
-def _env_int(*names: str) -> int:
-    """The first of ``names`` set in the environment (torchrun's, then SLURM's), else 0."""
+def _env_rank(*names: str) -> int:
+    """The first of ``names`` set (torchrun's, then SLURM's), else 0: a broken value is
+    init_distributed_mode's to report."""
     value = next((os.environ[n] for n in names if n in os.environ), "0")
     return int(value) if value.isdigit() else 0
 
@@ -168,6 +169,7 @@ class StopRequest:
 
     def stop(self) -> NoReturn:
         """End the run as the agreed signal would (exit code 128 + it), once it is saved."""
+        _received[:] = _received or [self.agreed]  # another rank's signal: this rank's cause
         raise KeyboardInterrupt(signal.Signals(self.agreed).name)
 
 
@@ -188,11 +190,9 @@ def _exit_at_once(signum: int, frame: Any) -> None:
 
 def _is_run_failure(exc: BaseException) -> bool:
     """torch's errors for a run that failed outside this process's code: peers, loader, disk."""
-    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""
+    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""  # gloo's name their file
     return isinstance(exc, (OSError, FloatingPointError, dist.DistError)) or any(
-        words in text for words in ("dataloader worker", "gloo", "nccl", "timed out",
-                                    "pair closure", "connection closed by peer",
-                                    "connection reset by peer"))
+        words in text for words in ("dataloader", "gloo", "nccl"))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -213,7 +213,7 @@ def guarded(main: Callable[[Any], None], args: Any,
             rerun_hint: Callable[[], str] = lambda: "run the same command again") -> None:
     """Run ``main(args)`` as the module docstring says; ``rerun_hint()``, called
     when the run stops, says how to continue (it can look at what was saved by then)."""
-    rank, local_rank = _env_int("RANK", "SLURM_PROCID"), _env_int("LOCAL_RANK", "SLURM_LOCALID")
+    rank, local_rank = _env_rank("RANK", "SLURM_PROCID"), _env_rank("LOCAL_RANK", "SLURM_LOCALID")
     setup_logging(rank)
     die_with_launcher()
     _received.clear()  # the first stop signal: a peer lost after it is its doing
@@ -232,13 +232,12 @@ def guarded(main: Callable[[Any], None], args: Any,
         except UserError as exc:  # every rank raises it: said once per machine
             _stop(EXIT_USER_ERROR, f"error: {exc}", say=local_rank == 0, rank=rank)
         except (KeyboardInterrupt, Exception) as exc:
-            # A stop signal: ours, else the one the ranks agreed on (StopRequest.stop), else
-            # Ctrl-C's; an error after a signal is a peer or loader worker stopped on it first.
+            # A stop signal (without our handler: Ctrl-C's); an error after a signal is a peer
+            # or loader worker stopped on it first.
             if _received or isinstance(exc, KeyboardInterrupt):
-                name = signal.Signals(_received[0]).name if _received else str(exc)
-                name = name if name in signal.Signals.__members__ else "SIGINT"
-                _stop(128 + signal.Signals[name], f"interrupted by {name}; {rerun_hint()}.",
-                      say=rank == 0, rank=rank)
+                signum = _received[0] if _received else signal.SIGINT
+                _stop(128 + signum, f"interrupted by {signal.Signals(signum).name}; "
+                      f"{rerun_hint()}.", say=rank == 0, rank=rank)
             if not _is_run_failure(exc):
                 raise
             # A collective that failed: the ranks that did not come, and where they were, asked
