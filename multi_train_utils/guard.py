@@ -28,6 +28,7 @@ log = logging.getLogger("train")
 EXIT_USER_ERROR = 2
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2",
                      "SIGQUIT") if hasattr(signal, name))  # Windows lacks SIGUSR1/2, SIGQUIT
+REQUEST_SIGNALS = tuple(s for s in STOP_SIGNALS if s.name != "SIGQUIT")  # Ctrl-\: at once
 _received: list[int] = []  # the stop signals this process got, in order: the first is the cause
 
 
@@ -66,15 +67,16 @@ def die_with_launcher() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals_to(handler: Callable[[int, Any], Any]) -> Iterator[dict[int, Any]]:
-    """The stop signals go to ``handler`` (or ``SIG_DFL``) in the block, but ignored stays ignored
-    (``nohup ... &``); yields the handlers they had, which they get back after it."""
-    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+def stop_signals_to(handler: Callable[[int, Any], Any],
+                    signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """``signals`` go to ``handler`` (or ``SIG_DFL``) in the block, but ignored stays ignored
+    (``nohup ... &``); after it, they get back the handlers they had."""
+    previous = {s: signal.getsignal(s) for s in signals}
     for signum, handler_before in previous.items():
         if handler_before is not signal.SIG_IGN:
             signal.signal(signum, handler)
     try:
-        yield previous
+        yield
     finally:
         for signum, handler_before in previous.items():
             signal.signal(signum, handler_before)
@@ -129,14 +131,9 @@ class StopRequest:
         self._group: Any = None
         self._lag = 0  # steps between an all-reduce and reading its answer
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        self.previous: dict[int, Any] = {}  # the handlers before stop_requests()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if signum == getattr(signal, "SIGQUIT", None):  # at once, the cause whatever came first
-            _received.clear()
-            handler = self.previous[signum]
-            (handler if callable(handler) else _exit_at_once)(signum, frame)
-        elif not self.signum:
+        if not self.signum:
             self.signum = signum
             _received.append(signum)
             log.warning("%s: stopping after an optimizer step all ranks agree on, once it is "
@@ -177,7 +174,7 @@ class StopRequest:
 def stop_requests() -> Iterator[StopRequest]:
     """The block (training) takes stop signals as requests: see :class:`StopRequest`."""
     request = StopRequest()
-    with stop_signals_to(request._on_signal) as request.previous:
+    with stop_signals_to(request._on_signal, REQUEST_SIGNALS):
         yield request
         request._answer(keep=0)  # no collective left in flight when the group goes
 
@@ -219,6 +216,8 @@ def guarded(main: Callable[[Any], None], args: Any,
     _received.clear()  # the first stop signal: a peer lost after it is its doing
 
     def on_signal(signum: int, frame: Any) -> None:
+        if signum not in REQUEST_SIGNALS:  # SIGQUIT: the cause, whatever came first
+            _received.clear()
         _received.append(signum)
         if hasattr(signal, "SIGCHLD"):  # POSIX
             # The DataLoader workers stop too (the launcher signals them all); torch's SIGCHLD
