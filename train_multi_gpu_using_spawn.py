@@ -46,17 +46,12 @@ def world_size_of(device: str, world_size: int | None) -> int:
     return world_size or gpus or 2
 
 
-def rendezvous(dist_url: str) -> tuple[str, int]:
-    """Where the processes meet: --dist-url tcp://HOST:PORT, MASTER_ADDR/PORT, or a free port."""
-    if address := tcp_address(dist_url):
-        return address
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    return addr, int(os.environ.get("MASTER_PORT") or find_free_port())
-
-
 def launch(args: argparse.Namespace) -> None:
     world_size = world_size_of(args.device, args.world_size)  # logging: set up by guarded()
-    addr, port = rendezvous(args.dist_url)
+    # Where the processes meet: --dist-url tcp://HOST:PORT, else MASTER_ADDR/PORT, else any port.
+    addr, port = tcp_address(args.dist_url) or (os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                                int(os.environ.get("MASTER_PORT") or 0))
+    port = port or find_free_port()
     # Every process reads the rendezvous from the environment, as under torchrun.
     env = dict(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=addr,
                MASTER_PORT=str(port), DDP_SPAWNED="1")

@@ -58,29 +58,20 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 def _read_env() -> tuple[int, int, int] | None:
     """(rank, local_rank, world_size) from the launcher's environment, or None if not launched."""
-    if any(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        if missing := [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]:
-            # Each such process would train alone, as rank 0, into the same output folder.
-            raise LaunchError(f"{' and '.join(missing)} not set, but other launcher variables "
-                              "are; start the processes with torchrun, or unset them all.")
-        env = _env_int("RANK"), _env_int("LOCAL_RANK", 0), _env_int("WORLD_SIZE")
-    elif "SLURM_PROCID" in os.environ and _env_int("SLURM_NTASKS", 1) > 1:  # srun
-        env = _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID", 0), _env_int("SLURM_NTASKS")
-        # What env:// reads. Rank 0 runs on the first of the step's nodes (node[01-04],gpu7 ->
-        # node01); every task derives the port from the job and step ids without talking,
-        # below Linux's ephemeral ports (32768 on), which outgoing connections may hold.
-        nodes = (os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-                 or os.environ.get("SLURM_NODELIST") or "127.0.0.1")
-        first = re.split(r",(?![^\[]*\])", nodes)[0]  # a comma outside brackets ends a name
-        os.environ.setdefault("MASTER_ADDR", re.sub(r"\[([^\],\-]+)[^\]]*\]", r"\1", first))
-        port = 20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * _env_int("SLURM_STEP_ID", 0)) % 12768
-        os.environ.setdefault("MASTER_PORT", str(port))
-    else:
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:  # torchrun, or by hand
+        return _env_int("RANK"), _env_int("LOCAL_RANK", 0), _env_int("WORLD_SIZE")
+    if "SLURM_PROCID" not in os.environ or _env_int("SLURM_NTASKS", 1) == 1:
         return None
-    if not 0 <= env[0] < env[2]:
-        raise LaunchError(f"rank {env[0]} is outside the world size {env[2]} (0 to {env[2] - 1}); "
-                          "start the processes with torchrun, or fix the variables.")
-    return env
+    # srun. What env:// reads: rank 0 runs on the first of the step's nodes (node[01-04],gpu7 ->
+    # node01); every task derives the port from the job and step ids without talking, below
+    # Linux's ephemeral ports (32768 on), which outgoing connections may hold.
+    nodes = (os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+             or os.environ.get("SLURM_NODELIST") or "127.0.0.1")
+    first = re.split(r",(?![^\[]*\])", nodes)[0]  # a comma outside brackets ends a name
+    os.environ.setdefault("MASTER_ADDR", re.sub(r"\[([^\],\-]+)[^\]]*\]", r"\1", first))
+    port = 20000 + (_env_int("SLURM_JOB_ID", 0) + 7919 * _env_int("SLURM_STEP_ID", 0)) % 12768
+    os.environ.setdefault("MASTER_PORT", str(port))
+    return _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID", 0), _env_int("SLURM_NTASKS")
 
 
 def pick_device(device: str, local_rank: int = 0, launched: bool = False) -> torch.device:

@@ -28,6 +28,7 @@ log = logging.getLogger("train")
 EXIT_USER_ERROR = 2
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2",
                      "SIGQUIT") if hasattr(signal, name))  # Windows lacks SIGUSR1/2, SIGQUIT
+REQUEST_SIGNALS = tuple(s for s in STOP_SIGNALS if s.name != "SIGQUIT")  # Ctrl-\: at once
 _received: list[int] = []  # the stop signals this process got, in order: the first is the cause
 
 
@@ -46,8 +47,9 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True, stream=sys.stderr)
 
 
-def _env_int(*names: str) -> int:
-    """The first of ``names`` set in the environment (torchrun's, then SLURM's), else 0."""
+def _env_rank(*names: str) -> int:
+    """The first of ``names`` set (torchrun's, then SLURM's), else 0: a broken value is
+    init_distributed_mode's to report."""
     value = next((os.environ[n] for n in names if n in os.environ), "0")
     return int(value) if value.isdigit() else 0
 
@@ -65,15 +67,16 @@ def die_with_launcher() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals_to(handler: Callable[[int, Any], Any]) -> Iterator[dict[int, Any]]:
-    """The stop signals go to ``handler`` (or ``SIG_DFL``) in the block, but ignored stays ignored
-    (``nohup ... &``); yields the handlers they had, which they get back after it."""
-    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+def stop_signals_to(handler: Callable[[int, Any], Any],
+                    signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """``signals`` go to ``handler`` (or ``SIG_DFL``) in the block, but ignored stays ignored
+    (``nohup ... &``); after it, they get back the handlers they had."""
+    previous = {s: signal.getsignal(s) for s in signals}
     for signum, handler_before in previous.items():
         if handler_before is not signal.SIG_IGN:
             signal.signal(signum, handler)
     try:
-        yield previous
+        yield
     finally:
         for signum, handler_before in previous.items():
             signal.signal(signum, handler_before)
@@ -128,14 +131,9 @@ class StopRequest:
         self._group: Any = None
         self._lag = 0  # steps between an all-reduce and reading its answer
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        self.previous: dict[int, Any] = {}  # the handlers before stop_requests()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if signum == getattr(signal, "SIGQUIT", None):  # at once, the cause whatever came first
-            _received.clear()
-            handler = self.previous[signum]
-            (handler if callable(handler) else _exit_at_once)(signum, frame)
-        elif not self.signum:
+        if not self.signum:
             self.signum = signum
             _received.append(signum)
             log.warning("%s: stopping after an optimizer step all ranks agree on, once it is "
@@ -168,6 +166,7 @@ class StopRequest:
 
     def stop(self) -> NoReturn:
         """End the run as the agreed signal would (exit code 128 + it), once it is saved."""
+        _received[:] = _received or [self.agreed]  # another rank's signal: this rank's cause
         raise KeyboardInterrupt(signal.Signals(self.agreed).name)
 
 
@@ -175,7 +174,7 @@ class StopRequest:
 def stop_requests() -> Iterator[StopRequest]:
     """The block (training) takes stop signals as requests: see :class:`StopRequest`."""
     request = StopRequest()
-    with stop_signals_to(request._on_signal) as request.previous:
+    with stop_signals_to(request._on_signal, REQUEST_SIGNALS):
         yield request
         request._answer(keep=0)  # no collective left in flight when the group goes
 
@@ -188,11 +187,9 @@ def _exit_at_once(signum: int, frame: Any) -> None:
 
 def _is_run_failure(exc: BaseException) -> bool:
     """torch's errors for a run that failed outside this process's code: peers, loader, disk."""
-    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""
+    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""  # gloo's name their file
     return isinstance(exc, (OSError, FloatingPointError, dist.DistError)) or any(
-        words in text for words in ("dataloader worker", "gloo", "nccl", "timed out",
-                                    "pair closure", "connection closed by peer",
-                                    "connection reset by peer"))
+        words in text for words in ("dataloader", "gloo", "nccl"))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -213,12 +210,14 @@ def guarded(main: Callable[[Any], None], args: Any,
             rerun_hint: Callable[[], str] = lambda: "run the same command again") -> None:
     """Run ``main(args)`` as the module docstring says; ``rerun_hint()``, called
     when the run stops, says how to continue (it can look at what was saved by then)."""
-    rank, local_rank = _env_int("RANK", "SLURM_PROCID"), _env_int("LOCAL_RANK", "SLURM_LOCALID")
+    rank, local_rank = _env_rank("RANK", "SLURM_PROCID"), _env_rank("LOCAL_RANK", "SLURM_LOCALID")
     setup_logging(rank)
     die_with_launcher()
     _received.clear()  # the first stop signal: a peer lost after it is its doing
 
     def on_signal(signum: int, frame: Any) -> None:
+        if signum not in REQUEST_SIGNALS:  # SIGQUIT: the cause, whatever came first
+            _received.clear()
         _received.append(signum)
         if hasattr(signal, "SIGCHLD"):  # POSIX
             # The DataLoader workers stop too (the launcher signals them all); torch's SIGCHLD
@@ -232,13 +231,12 @@ def guarded(main: Callable[[Any], None], args: Any,
         except UserError as exc:  # every rank raises it: said once per machine
             _stop(EXIT_USER_ERROR, f"error: {exc}", say=local_rank == 0, rank=rank)
         except (KeyboardInterrupt, Exception) as exc:
-            # A stop signal: ours, else the one the ranks agreed on (StopRequest.stop), else
-            # Ctrl-C's; an error after a signal is a peer or loader worker stopped on it first.
+            # A stop signal (without our handler: Ctrl-C's); an error after a signal is a peer
+            # or loader worker stopped on it first.
             if _received or isinstance(exc, KeyboardInterrupt):
-                name = signal.Signals(_received[0]).name if _received else str(exc)
-                name = name if name in signal.Signals.__members__ else "SIGINT"
-                _stop(128 + signal.Signals[name], f"interrupted by {name}; {rerun_hint()}.",
-                      say=rank == 0, rank=rank)
+                signum = _received[0] if _received else signal.SIGINT
+                _stop(128 + signum, f"interrupted by {signal.Signals(signum).name}; "
+                      f"{rerun_hint()}.", say=rank == 0, rank=rank)
             if not _is_run_failure(exc):
                 raise
             # A collective that failed: the ranks that did not come, and where they were, asked

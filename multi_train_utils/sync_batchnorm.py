@@ -50,14 +50,11 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         channels = input.shape[1]
         dims = [d for d in range(input.dim()) if d != 1]
         shape = [1, channels] + [1] * (input.dim() - 2)
-        # Statistics in float32 even under bf16/fp16 autocast, as torch's BatchNorm keeps them:
-        # 8-bit mantissa sums (and counts: 87808 rounds to 88064) are off by whole units.
+        # Statistics in float32 under bf16/fp16 autocast too, as torch's BatchNorm keeps them.
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         n = input.numel() / channels
-        # Each rank sums x and x^2 around its own batch mean m (detached), so that float32 sums
-        # of squares do not cancel when |mean| >> std, and expands them in float64: one
-        # all-reduce then serves every rank and autograd, and nothing depends on the ranks
-        # agreeing beforehand (their running means differ with DDP(broadcast_buffers=False)).
+        # Each rank sums x and x^2 around its own batch mean m (no cancellation when
+        # |mean| >> std) and expands the sums exactly in float64: one all-reduce, no shared m.
         m = x.detach().sum(dims) / max(n, 1)  # 0 for a rank with an empty batch
         c = x - m.view(shape)
         s1, s2, m = c.sum(dims).double(), (c * c).sum(dims).double(), m.double()
@@ -69,10 +66,7 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
             raise ValueError("SyncBatchNorm needs more than one value per channel over all ranks "
                              f"(got {int(total.item())}); use a larger batch.")
         mean, mean_square = stats[:-1].view(2, channels) / total
-        # Biased, for normalising; in float64 the difference keeps more digits of the variance
-        # than float32 inputs hold of their spread.
-        # Clamped: a channel constant over the batch (identical or blank images) has variance 0,
-        # which rounding can take below -eps, and rsqrt to NaN (torch gives 0).
+        # Biased, for normalising. Clamped: a constant channel's 0 can round below -eps.
         var = (mean_square - mean * mean).clamp(min=0)
         mean, var = mean.to(x.dtype), var.to(x.dtype)
 
@@ -93,23 +87,17 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module,
                                process_group: dist.ProcessGroup | None = None) -> nn.Module:
-        """Replace every ``_BatchNorm`` in ``module`` by this class, sharing (not copying) its
-        parameters and buffers, as torch's converter does."""
-        converted = module
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group=process_group)
-            for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
-                setattr(converted, name, getattr(module, name))
-            converted.training = module.training
-        for name, child in module.named_children():
-            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
-        return converted
+        """torch's converter (parameters and buffers shared, not copied), to this class: an
+        ``nn.SyncBatchNorm`` itself would make DDP refuse a CPU model."""
+        module = nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+        for layer in module.modules():
+            if type(layer) is nn.SyncBatchNorm:
+                layer.__class__ = cls  # the same attributes; this forward
+        return module
 
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device,
                            process_group: dist.ProcessGroup | None = None) -> nn.Module:
     """torch's SyncBatchNorm on CUDA (fused kernels), :class:`SyncBatchNormCPU` elsewhere."""
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
-    return SyncBatchNormCPU.convert_sync_batchnorm(module, process_group)
+    convert = nn.SyncBatchNorm if device.type == "cuda" else SyncBatchNormCPU
+    return convert.convert_sync_batchnorm(module, process_group)
