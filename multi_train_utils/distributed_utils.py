@@ -59,7 +59,11 @@ def _env_int(name: str, default: int | None = None) -> int:
 def _read_env() -> tuple[int, int, int] | None:
     """(rank, local_rank, world_size) from the launcher's environment, or None if not launched."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:  # torchrun, or by hand
-        return _env_int("RANK"), _env_int("LOCAL_RANK", 0), _env_int("WORLD_SIZE")
+        rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if not rank < world_size:  # else the rendezvous would wait for its timeout
+            raise LaunchError(f"rank {rank} is outside the world size {world_size} (0 to "
+                              f"{world_size - 1}); start the processes with torchrun.")
+        return rank, _env_int("LOCAL_RANK", 0), world_size
     if "SLURM_PROCID" not in os.environ or _env_int("SLURM_NTASKS", 1) == 1:
         return None
     # srun. What env:// reads: rank 0 runs on the first of the step's nodes (node[01-04],gpu7 ->

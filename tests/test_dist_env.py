@@ -97,6 +97,8 @@ def test_no_launcher_is_one_process_without_a_group(env):
     ({"RANK": "0", "WORLD_SIZE": "2"},
      "RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not; start the processes "
      "with torchrun."),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "rank 2 is outside the world size 2 (0 to 1); start the processes with torchrun."),
     ({"RANK": "one", "WORLD_SIZE": "2"},
      "environment variable RANK='one' is not a whole number; unset it or start the processes "
      "with torchrun."),
