@@ -19,7 +19,7 @@ from image_folder import imagenet_layout
 from model import check_model, weights_size
 from multi_train_utils.checkpoint_io import CheckpointError, load_file
 from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cpus_per_process, get_rank,
-                                                 get_world_size, run_on_main)
+                                                 run_on_main)
 from multi_train_utils.guard import ConfigError
 from multi_train_utils.recipe import OPTIMIZERS, SCHEDULES, inert_flags, resolve_recipe
 from multi_train_utils.run_folder import claim_output_dir, move_earlier_run, resume_path
@@ -95,7 +95,7 @@ def prepare_run(args: argparse.Namespace, info: DistInfo
     torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN pick its fastest kernels
     out, weights = Path(args.output_dir), args.weights
     ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
-    vars(args).update(run_on_main(run_flags, args, ckpt_path or weights, defaults))
+    vars(args).update(run_on_main(run_flags, args, ckpt_path or weights, defaults, info.world_size))
     if not args.eval_only:  # else the folder is only read
         run_on_main(claim_output_dir, out)
         ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
@@ -175,7 +175,7 @@ def ema_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]
 
 
 def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
-              world_size: int | None = None) -> dict[str, Any]:
+              world_size: int) -> dict[str, Any]:
     """The values of ``defaults``' flags for this run: given, else those of the run that made
     ``path`` (a checkpoint, or weights it saved), else ``defaults``; its model checked at those
     sizes and at the batch its BatchNorm sees. ``--eval-only`` refuses a given flag the file
@@ -191,7 +191,7 @@ def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, An
                               "drop them: --eval-only takes them from the file.")
     run = {**defaults, **{k: saved[k] for k in defaults if k in saved}, **given}
     frozen = args.eval_only or args.freeze_layers  # BatchNorm in eval mode
-    batch = args.batch_size * ((world_size or get_world_size()) if args.sync_bn else 1)
+    batch = args.batch_size * (world_size if args.sync_bn else 1)  # SyncBatchNorm's: all ranks
     check_model(run["model"], run["img_size"], args.weights,
                 crops={"--val-crop-size": run["val_crop_size"] or run["img_size"]},
                 train_batch=0 if frozen else batch)
@@ -279,14 +279,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
     group.add_argument("--img-size", "--train-crop-size", dest="img_size", type=count,
                        help="training crop (default: the run's, or 224)")
-    group.add_argument("--val-resize-size", type=count,
-                       help="(default: img-size x 256/224; torchvision's flags: 256)")
-    group.add_argument("--val-crop-size", type=count,
-                       help="(default: --img-size; torchvision's flags: 224)")
+    group.add_argument("--val-resize-size", type=count, help="(default: --img-size x 256/224)")
+    group.add_argument("--val-crop-size", type=count, help="(default: --img-size)")
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
-    group.add_argument("--workers", "-j", type=number(int, 0),
-                       help="per process (GPU: CPUs-1, CPU: <=8)")
+    group.add_argument("--workers", "-j", type=number(int, 0), help="per process (GPU: CPUs-1)")
     group.add_argument("--decode", default="auto", choices=["auto", "workers", "device"],
                        help="JPEGs decoded by the loader workers or on --device (auto: workers)")
     group.add_argument("--verify-images", action=BoolFlag, default=False,
@@ -309,49 +306,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                        "(default: on; off with --opt, --lr-scheduler, --lr-step-size, --lr-gamma)")
     group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
     group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD/RMSprop momentum")
-    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005,
-                       help="L2 penalty of every parameter trained (groups: --norm-weight-decay)")
+    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005, help="L2 penalty")
     group.add_argument("--grad-accum-steps", type=count, default=1, help="step every K batches")
     group.add_argument("--clip-grad-norm", type=positive, help="max gradient norm")
-    recipe_flags(parser.add_argument_group("torchvision's recipe (docs/recipes.md)"))
-    group = parser.add_argument_group("speed")
-    group.add_argument("--amp", action=BoolFlag, help="mixed precision (default: on for CUDA)")
-    group.add_argument("--channels-last", action=BoolFlag, help="NHWC (default: on for CUDA)")
-    group.add_argument("--compile", action=BoolFlag, default=False, help="torch.compile")
-    group.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="DDP bucket size")
-    group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
-                       help="all-reduce gradients in 16 bits (half the bytes, rounded)")
-    group.add_argument("--find-unused-parameters", action=BoolFlag, default=False,
-                       help="ddp: a model whose forward skips some parameters (fsdp needs none)")
-    group = parser.add_argument_group("distributed")
-    group.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="fsdp: each holds 1/N")
-    group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
-    group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
-    group.add_argument("--dist-timeout", type=positive, help="seconds a collective waits for a "
-                       "peer (default: 600 at start-up, evaluation and saves; 120 a step)")
-    group.add_argument("--world-size", "--world_size", type=count,
-                       help="processes (spawn launcher; elsewhere the launcher decides)")
-    group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    group = parser.add_argument_group("run")
-    group.add_argument("--output-dir", type=path_flag, default="runs/train", help="the run's files")
-    group.add_argument("--resume", type=path_flag, default="auto",
-                       help="auto: <output-dir>/checkpoint.pth if there; none; or a checkpoint")
-    group.add_argument("--keep-last", type=number(int, 0), default=0,
-                       help="keep the newest K weights/model-N.pth (0: all)")
-    group.add_argument("--save-every-steps", type=number(int, 0), default=0,
-                       help="also save mid-epoch every K optimizer steps (0: at signals only)")
-    group.add_argument("--eval-only", "--test-only", dest="eval_only", action=BoolFlag,
-                       default=False, help="evaluate the --resume/--weights model and exit")
-    group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")
-    group.add_argument("--print-freq", type=count, default=50, help="log every N steps")
-    group.add_argument("--tensorboard", action=BoolFlag, default=True, help="rank 0 logs curves")
-    return parser
-
-
-def recipe_flags(group: argparse._ArgumentGroup) -> None:
-    """torchvision's training-recipe flags, with its names and defaults (all off here)."""
-    nonnegative, fraction = number(float, 0), number(float, 0, 1)
+    group = parser.add_argument_group("torchvision's recipe (docs/recipes.md)")
     group.add_argument("--opt", choices=OPTIMIZERS, help="(default: sgd); given, it and the "
                        "three below mean what they do in torchvision: --lr the total, val 224")
     group.add_argument("--lr-scheduler", choices=SCHEDULES, help="(default: cosine, or steplr "
@@ -370,15 +328,12 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
                            help=f"{name} on each batch, lam ~ Beta(alpha, alpha)")
     group.add_argument("--auto-augment", choices=AUTO_AUGMENT, help="policy (default: none)")
     group.add_argument("--ra-magnitude", type=number(int, 0), default=9, help="--auto-augment ra")
-    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3,
-                       help="--auto-augment augmix")
+    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3, help="augmix")
     group.add_argument("--random-erase", type=fraction, default=0.0, help="probability")
     group.add_argument("--interpolation", choices=["nearest", "bilinear", "bicubic"],
                        help="(default: the run's, or bilinear)")
-    group.add_argument("--model-ema", action=BoolFlag, default=False, help="evaluate and save "
-                       "an exponential moving average of the weights too")
-    group.add_argument("--model-ema-steps", type=number(int, 1), default=32,
-                       help="optimizer steps between updates")
+    group.add_argument("--model-ema", action=BoolFlag, default=False, help="an EMA of the weights")
+    group.add_argument("--model-ema-steps", type=number(int, 1), default=32, help="between updates")
     group.add_argument("--model-ema-decay", type=fraction, default=0.99998,
                        help="adjusted to the images per update and the epochs, as torchvision")
     for name in ("norm", "bias"):
@@ -386,6 +341,33 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
                            help=f"for {name} parameters (default: --weight-decay)")
     group.add_argument("--transformer-embedding-decay", type=nonnegative,
                        help="for class token and position embeddings (default: --weight-decay)")
-    group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated "
-                       "augmentation: each image --ra-reps times in a row, in other crops")
+    group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated augmentation")
     group.add_argument("--ra-reps", type=number(int, 1), default=3, help="--ra-sampler")
+    group = parser.add_argument_group("speed")
+    group.add_argument("--amp", action=BoolFlag, help="mixed precision (default: on for CUDA)")
+    group.add_argument("--channels-last", action=BoolFlag, help="NHWC (default: on for CUDA)")
+    group.add_argument("--compile", action=BoolFlag, default=False, help="torch.compile")
+    group.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="DDP bucket size")
+    group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS, help="16-bit all-reduce")
+    group.add_argument("--find-unused-parameters", action=BoolFlag, default=False,
+                       help="ddp: a model whose forward skips some parameters (fsdp needs none)")
+    group = parser.add_argument_group("distributed")
+    group.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="fsdp: each holds 1/N")
+    group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
+    group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
+    group.add_argument("--dist-timeout", type=positive, help="seconds a peer is waited for")
+    group.add_argument("--world-size", "--world_size", type=count, help="processes to start")
+    group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    group = parser.add_argument_group("run")
+    group.add_argument("--output-dir", type=path_flag, default="runs/train", help="the run's files")
+    group.add_argument("--resume", type=path_flag, default="auto",
+                       help="auto: <output-dir>/checkpoint.pth if there; none; or a checkpoint")
+    group.add_argument("--keep-last", type=number(int, 0), default=0, help="weights kept (0: all)")
+    group.add_argument("--save-every-steps", type=number(int, 0), default=0, help="mid-epoch too")
+    group.add_argument("--eval-only", "--test-only", dest="eval_only", action=BoolFlag,
+                       default=False, help="evaluate the --resume/--weights model and exit")
+    group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")
+    group.add_argument("--print-freq", type=count, default=50, help="log every N steps")
+    group.add_argument("--tensorboard", action=BoolFlag, default=True, help="rank 0 logs curves")
+    return parser

@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> None:
     # 1. Processes: torchrun/srun/spawn tell each process its rank; NCCL on GPUs, gloo on CPU.
     info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
                                  timeout_s=args.dist_timeout, trace_dir=args.output_dir)
-    args, root, ckpt_path, weights = prepare_run(args, info)  # the flags checked: train_flags.py
+    args, root, ckpt_path, weights = prepare_run(args, info)  # flags checked; the folder ready
     device, out = info.device, Path(args.output_dir)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
 
@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> None:
                                              flags=train.flags, model=model_without_ddp))
         scan.resume_epoch(train.progress, train.saved, out, train_paths)  # its own images
     scheduler = lr_schedule(optimizer, **schedule_kwargs(args), start_epoch=train.epoch)
-    if not start_run(out, scan, train, device, optimizer, kwargs, loop):
+    if not run_on_main(start_run, out, scan, train, device, optimizer, kwargs, loop):
         return cleanup()  # the run holds --epochs epochs already
     writer = tensorboard_writer(out, train.epoch, train_set) if args.tensorboard else None
 
@@ -179,9 +179,14 @@ def evaluate_only(model: torch.nn.Module, val_loader: DataLoader, device: torch.
 
 def start_run(out: Path, scan: FolderScan, train: TrainState, device: torch.device,
               optimizer: torch.optim.Optimizer, loader_kwargs: dict, loop: LoopOptions) -> bool:
-    """The run's files written (:func:`write_run_files`) and its start-up line said; False
-    where the run holds its ``--epochs`` epochs already."""
-    run_on_main(write_run_files, out, scan, train)  # rank 0 alone writes: the others would race
+    """Rank 0's (the others would race): the run's files beside its checkpoint (``metrics.jsonl``
+    as the checkpoint records it, each finished epoch once though the last attempt died before
+    its line; the image list and its plots; ``args.json``) and the start-up line. False where
+    the run holds its ``--epochs`` epochs already."""
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train.metrics),
+                                       encoding="utf-8")
+    write_scan_files(out, scan)
+    write_json_atomic(out / "args.json", train.flags)
     flags, start = train.flags, train.epoch
     if start >= flags["epochs"]:
         log.info("%s holds epochs 0-%d, so --epochs %d leaves nothing to train.", out, start - 1,
@@ -192,16 +197,6 @@ def start_run(out: Path, scan: FolderScan, train: TrainState, device: torch.devi
              optimizer.param_groups[0]["lr"], loader_kwargs["num_workers"], loop.amp_dtype, start,
              flags["epochs"] - 1)
     return True
-
-
-def write_run_files(out: Path, scan: FolderScan, train: TrainState) -> None:
-    """The run's files beside its checkpoint: ``metrics.jsonl`` as the checkpoint records it
-    (each finished epoch once, though the last attempt died before its line), the image list
-    and its plots, and ``args.json``."""
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train.metrics),
-                                       encoding="utf-8")
-    write_scan_files(out, scan)
-    write_json_atomic(out / "args.json", train.flags)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: 
     """``lr_scheduler`` over ``epochs`` after the warmup, stepped once per epoch, as a LambdaLR
     of the factors torch's own schedulers give on a stand-in optimizer: a resumed or longer run
     lays them out anew from ``start_epoch``, and no scheduler state needs saving."""
-    lr, warm, decay = optimizer.param_groups[0]["lr"], lr_warmup_epochs, lr_warmup_decay
+    lr, warm = optimizer.param_groups[0]["lr"], lr_warmup_epochs
     for group in optimizer.param_groups:  # LambdaLR's base: this run's lr, resumed or not
         group["initial_lr"] = group["lr"]
     if lr_scheduler == "cosine" and not warm:  # the template's own: its exact factors
@@ -102,9 +102,8 @@ def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: 
         "exponentiallr": lambda: schedulers.ExponentialLR(probe, gamma=lr_gamma),
     }[lr_scheduler]()
     if warm:
-        warmup = (schedulers.LinearLR(probe, decay, total_iters=warm)
-                  if lr_warmup_method == "linear" else
-                  schedulers.ConstantLR(probe, decay, total_iters=warm))
+        warmup = (schedulers.LinearLR if lr_warmup_method == "linear" else schedulers.ConstantLR)(
+            probe, lr_warmup_decay, total_iters=warm)
         schedule = schedulers.SequentialLR(probe, [warmup, schedule], milestones=[warm])
     factors = []
     for _ in range(epochs + 1):
