@@ -139,8 +139,8 @@ def ddp_kwargs(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     """``DistributedDataParallel``'s arguments: the process's GPU, and the flags' buckets (as
     views of the gradients: no copy) and unused parameters (a branch that may go unused)."""
     return dict(device_ids=[device.index] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True, **pick(args, "bucket_cap_mb",
-                                                     "find_unused_parameters"))
+                gradient_as_bucket_view=True,
+                **pick(args, "bucket_cap_mb", "find_unused_parameters"))
 
 
 def scaled_lr(flags: dict[str, Any], images_per_step: int) -> float:

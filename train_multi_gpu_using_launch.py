@@ -152,9 +152,9 @@ def main(args: argparse.Namespace) -> None:
 
 def build_model(args: argparse.Namespace, info: DistInfo, num_classes: int, weights: str | None,
                 *, fsdp: bool, channels_last: bool) -> torch.nn.Module:
-    """``--model`` with ``weights``, read by rank 0 alone (DDP copies them when it wraps), and
-    ``--freeze-layers``, on the device; under ``fsdp`` on the meta device but on rank 0 (no
-    memory), where ``shard_model`` fills each rank's shards from rank 0's."""
+    """``--model`` with ``weights`` (read by rank 0 alone: DDP copies them when it wraps) and
+    ``--freeze-layers``, on the device. Under ``fsdp`` the other ranks build it on the meta
+    device (no memory), and ``shard_model`` fills their shards from rank 0's."""
     with torch.device("meta" if fsdp and info.rank > 0 else "cpu"):
         model = get_model(args.model, num_classes=num_classes, img_size=args.img_size)
     if weights:
