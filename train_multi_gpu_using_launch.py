@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> None:
     # 1. Processes: torchrun/srun/spawn tell each process its rank; NCCL on GPUs, gloo on CPU.
     info = init_distributed_mode(device=args.device, dist_url=args.dist_url,
                                  timeout_s=args.dist_timeout, trace_dir=args.output_dir)
-    args, root, ckpt_path, weights = prepare_run(args, info)  # flags checked; the folder ready
+    args, root, ckpt_path, weights = prepare_run(args, info)  # check_args: flags, val sizes
     device, out = info.device, Path(args.output_dir)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
 
