@@ -4,23 +4,28 @@ from its checkpoint, and the mapping of flags to the keyword arguments the libra
 
 import argparse
 import logging
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from augment import AUTO_AUGMENT
-from demo_data import default_demo_root
+from demo_data import default_demo_root, make_demo_data
 from flags import BoolFlag, HelpFormatter, number, path_flag
 from image_folder import imagenet_layout
 from model import check_model, weights_size
 from multi_train_utils.checkpoint_io import CheckpointError, load_file
-from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, get_rank, get_world_size,
+from multi_train_utils.distributed_utils import (COMM_HOOKS, DistInfo, cpus_per_process, get_rank,
                                                  run_on_main)
 from multi_train_utils.guard import ConfigError
-from multi_train_utils.recipe import OPTIMIZERS, SCHEDULES, resolve_recipe
+from multi_train_utils.recipe import OPTIMIZERS, SCHEDULES, inert_flags, resolve_recipe
 from multi_train_utils.run_folder import claim_output_dir, move_earlier_run, resume_path
 from multi_train_utils.strategy import STRATEGIES, check_strategy
-from multi_train_utils.train_eval_utils import LoopOptions
+from multi_train_utils.train_eval_utils import LoopOptions, resolve_amp_dtype
+from my_dataset import default_workers, loader_kwargs
 
 log = logging.getLogger("train")
 
@@ -30,24 +35,27 @@ def run_args(args: argparse.Namespace, info: DistInfo, images_per_step: int) -> 
     return {**vars(args), "world_size": info.world_size, "images_per_step": images_per_step}
 
 
+def pick(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The flags ``names`` as keyword arguments of the same names."""
+    return {name: getattr(args, name) for name in names}
+
+
 def augment_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags :func:`augment.get_transforms` takes, by the same names."""
-    return {k: getattr(args, k) for k in ("auto_augment", "ra_magnitude", "augmix_severity",
-                                          "random_erase", "interpolation", "val_resize_size",
-                                          "val_crop_size")}
+    """The flags :func:`augment.get_transforms` takes."""
+    return pick(args, "auto_augment", "ra_magnitude", "augmix_severity", "random_erase",
+                "interpolation", "val_resize_size", "val_crop_size")
 
 
 def check_args(args: argparse.Namespace, world_size: int
                ) -> tuple[argparse.Namespace, dict[str, Any]]:
-    """Flags that contradict each other: one sentence each, before anything is read. Returns
-    ``args`` with the flags that follow from others filled in (logged): torchvision's recipe,
-    its data layout; and the defaults for flags a continued run takes from its checkpoint."""
+    """Flags that contradict each other: one sentence each, before anything is read. Returns a
+    copy of ``args`` completed (torchvision's recipe and data layout), and the defaults of the
+    flags a continued run takes from its run (:func:`run_flags`)."""
     args = argparse.Namespace(**vars(args))  # main(args) twice: the same run
     args.data_path, args.val_path = imagenet_layout(  # D holding train/ and val/: D/train, D/val
         args.data_path, args.val_path, eval_only=args.eval_only)
     flags, val_sizes = resolve_recipe(  # torchvision's flags keep its meanings and defaults
-        opt=args.opt, lr_scheduler=args.lr_scheduler, lr_step_size=args.lr_step_size,
-        lr_gamma=args.lr_gamma, scale_lr=args.scale_lr)
+        **pick(args, "opt", "lr_scheduler", "lr_step_size", "lr_gamma", "scale_lr"))
     vars(args).update(flags)  # recorded: a continued run compares them with its own
     defaults = {**RUN_DEFAULTS, **val_sizes}  # given sizes, or the continued run's, come first
     if args.lr_warmup_epochs >= args.epochs:
@@ -75,19 +83,25 @@ def check_args(args: argparse.Namespace, world_size: int
     return args, defaults
 
 
-def prepare_run(args: argparse.Namespace, defaults: dict[str, Any]
-                ) -> tuple[str | None, str | None]:
-    """The checkpoint this run continues and its --weights file; ``args`` completed with the
-    flags a continued run takes from its run (:func:`run_flags`, asked of rank 0). A run that
-    trains claims --output-dir, and a new one moves an earlier run's files aside: the two paths
-    are given where they are then."""
+def prepare_run(args: argparse.Namespace, info: DistInfo
+                ) -> tuple[argparse.Namespace, str, str | None, str | None]:
+    """``args`` checked and completed (:func:`check_args`, then :func:`run_flags` asked of rank
+    0), the CPU threads set, and the data folder (the demo data made where none is given), the
+    checkpoint to continue and the --weights file. A run that trains claims --output-dir, and a
+    new one moves an earlier run's files aside first: the paths are given where they are then."""
+    args, defaults = check_args(args, info.world_size)
+    if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpus_per_process())  # N processes x all cores would oversubscribe
+    torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN pick its fastest kernels
     out, weights = Path(args.output_dir), args.weights
     ckpt_path = resume_path(args.resume, out, eval_weights=args.eval_only and args.weights)
-    vars(args).update(run_on_main(run_flags, args, ckpt_path or weights, defaults))
-    if args.eval_only:  # then the folder is only read
-        return ckpt_path, weights
-    run_on_main(claim_output_dir, out)
-    return run_on_main(move_earlier_run, out, ckpt_path, weights)
+    vars(args).update(run_on_main(run_flags, args, ckpt_path or weights, defaults, info.world_size))
+    if not args.eval_only:  # else the folder is only read
+        run_on_main(claim_output_dir, out)
+        ckpt_path, weights = run_on_main(move_earlier_run, out, ckpt_path, weights)
+    root = args.data_path or (args.eval_only and args.val_path)  # --eval-only --val-path: alone
+    root = root or str(make_demo_data(args.demo_dir or default_demo_root()))
+    return args, root, ckpt_path, weights
 
 
 def check_data(args: argparse.Namespace, root: str, classes: list[str], train_loader: Any,
@@ -103,31 +117,52 @@ def check_data(args: argparse.Namespace, root: str, classes: list[str], train_lo
                           "--batch-size.")
 
 
-def loop_options(args: argparse.Namespace, device: Any, amp_dtype: Any, scaler: Any
-                 ) -> LoopOptions:
-    """The flags as the loops' options; NHWC by default on CUDA."""
+def loader_options(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The DataLoaders' keyword arguments (:func:`my_dataset.loader_kwargs`), with --workers or
+    as many as this process's CPUs and batch fit."""
+    workers = default_workers(args.batch_size, device) if args.workers is None else args.workers
+    return loader_kwargs(workers, device)
+
+
+def loop_options(args: argparse.Namespace, device: torch.device) -> LoopOptions:
+    """The flags as the loops' options: --amp in bf16 where the GPU has it, else fp16 with its
+    GradScaler (the checkpointer saves it); NHWC by default on CUDA."""
+    amp_dtype = resolve_amp_dtype(args.amp, device)
     channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
-    return LoopOptions(amp_dtype=amp_dtype, channels_last=channels_last, scaler=scaler,
-                       grad_accum_steps=args.grad_accum_steps, clip_grad_norm=args.clip_grad_norm,
-                       label_smoothing=args.label_smoothing, print_freq=args.print_freq)
+    return LoopOptions(amp_dtype=amp_dtype, channels_last=channels_last,
+                       scaler=torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16),
+                       **pick(args, "grad_accum_steps", "clip_grad_norm", "label_smoothing",
+                              "print_freq"))
+
+
+def ddp_kwargs(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``DistributedDataParallel``'s arguments: the process's GPU, and the flags' buckets (as
+    views of the gradients: no copy) and unused parameters (a branch that may go unused)."""
+    return dict(device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+                **pick(args, "bucket_cap_mb", "find_unused_parameters"))
+
+
+def scaled_lr(flags: dict[str, Any], images_per_step: int) -> float:
+    """The optimizer's lr. The template's --lr is one process's and grows with the images per
+    step (linear scaling, Goyal et al. 2017, arXiv:1706.02677: N processes average N times as
+    many images); torchvision's (--no-scale-lr) is the total."""
+    if flags["scale_lr"]:
+        return flags["lr"] * images_per_step / flags["batch_size"]
+    return flags["lr"]
 
 
 def optimizer_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
-    """The flags as :func:`make_optimizer`'s arguments. The template's --lr is one process's and
-    grows with the images per step (linear scaling, Goyal et al. 2017, arXiv:1706.02677: N
-    processes average N times as many images); torchvision's (--no-scale-lr) is the total."""
-    lr = args.lr * images_per_step / args.batch_size if args.scale_lr else args.lr
-    return dict(opt=args.opt, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
-                norm_weight_decay=args.norm_weight_decay, bias_weight_decay=args.bias_weight_decay,
-                transformer_embedding_decay=args.transformer_embedding_decay)
+    """The flags as :func:`make_optimizer`'s arguments, the lr scaled (:func:`scaled_lr`)."""
+    return dict(lr=scaled_lr(vars(args), images_per_step), **pick(
+        args, "opt", "momentum", "weight_decay", "norm_weight_decay", "bias_weight_decay",
+        "transformer_embedding_decay"))
 
 
 def schedule_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as :func:`lr_schedule`'s arguments."""
-    return dict(epochs=args.epochs, lr_scheduler=args.lr_scheduler, lrf=args.lrf,
-                lr_min=args.lr_min, lr_step_size=args.lr_step_size, lr_gamma=args.lr_gamma,
-                warmup_epochs=args.lr_warmup_epochs, warmup_method=args.lr_warmup_method,
-                warmup_decay=args.lr_warmup_decay)
+    return pick(args, "epochs", "lr_scheduler", "lrf", "lr_min", "lr_step_size", "lr_gamma",
+                "lr_warmup_epochs", "lr_warmup_method", "lr_warmup_decay")
 
 
 def ema_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]:
@@ -140,13 +175,11 @@ def ema_kwargs(args: argparse.Namespace, images_per_step: int) -> dict[str, Any]
 
 
 def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, Any],
-              world_size: int | None = None) -> dict[str, Any]:
+              world_size: int) -> dict[str, Any]:
     """The values of ``defaults``' flags for this run: given, else those of the run that made
-    ``path`` (a checkpoint, or weights it saved), else ``defaults``; and its model checked at
-    those crops and at the batch its BatchNorm sees (SyncBatchNorm's: every process's). ``main``
-    asks rank 0 before an earlier run's files move aside, so a refused flag leaves them there.
-    ``--eval-only`` refuses a given flag the file contradicts (a model scored at another size is
-    misjudged)."""
+    ``path`` (a checkpoint, or weights it saved), else ``defaults``; its model checked at those
+    sizes and at the batch its BatchNorm sees. ``--eval-only`` refuses a given flag the file
+    contradicts (a model scored at another size is misjudged)."""
     try:
         saved = load_file(path).get("args", {}) if path else {}
     except (CheckpointError, AttributeError):  # not there or not ours: said where it is used
@@ -158,7 +191,7 @@ def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, An
                               "drop them: --eval-only takes them from the file.")
     run = {**defaults, **{k: saved[k] for k in defaults if k in saved}, **given}
     frozen = args.eval_only or args.freeze_layers  # BatchNorm in eval mode
-    batch = args.batch_size * ((world_size or get_world_size()) if args.sync_bn else 1)
+    batch = args.batch_size * (world_size if args.sync_bn else 1)  # SyncBatchNorm's: all ranks
     check_model(run["model"], run["img_size"], args.weights,
                 crops={"--val-crop-size": run["val_crop_size"] or run["img_size"]},
                 train_batch=0 if frozen else batch)
@@ -166,12 +199,12 @@ def run_flags(args: argparse.Namespace, path: str | None, defaults: dict[str, An
 
 
 def continued_run(state: dict[str, Any], *, path: str, classes: list[str],
-                  flags: dict[str, Any] | None = None, inert: Collection[str] = (),
-                  lr: float = 0.0) -> None:
+                  flags: dict[str, Any] | None = None, model: nn.Module | None = None) -> None:
     """Whether the run that saved ``state`` goes on (every rank asks, before it is loaded): with
-    the same classes and, if it trains (``flags``: this run's, as recorded), the flags it may
-    not change (:func:`flag_changes`); the others changed are said, and apply from there."""
+    the same classes and, if it trains (``flags``: this run's, as recorded; ``model``: its
+    :func:`inert_flags`), no refused flag changed (:func:`flag_changes`); the others are said."""
     saved, part = state.get("args", {}), state.get("in_epoch")
+    inert = inert_flags(model) if model is not None else ()
     refused, applied = flag_changes(saved, flags, inert) if flags else ([], [])
     if state.get("classes", classes) != classes:
         refused.append(f"the classes {classes} (the run had {state['classes']})")
@@ -182,7 +215,7 @@ def continued_run(state: dict[str, Any], *, path: str, classes: list[str],
     if flags and saved.get("images_per_step", flags["images_per_step"]) != (
             steps := flags["images_per_step"]):
         applied.append(f"{steps} images per step (the run had {saved['images_per_step']}), "
-                       f"lr {lr:.4g}")
+                       f"lr {scaled_lr(flags, steps):.4g}")
     if applied and get_rank() == 0:
         start = state["epoch"] + (0 if part else 1)
         log.warning("%s: applied from epoch %d%s", ", ".join(applied), start,
@@ -191,9 +224,8 @@ def continued_run(state: dict[str, Any], *, path: str, classes: list[str],
 
 def flag_changes(saved: dict[str, Any], flags: dict[str, Any], inert: Collection[str] = ()
                  ) -> tuple[list[str], list[str]]:
-    """The flags a continued run gives other values than the run ``saved`` (one it did not
-    record is not compared), as ``--lr 0.05 (the run had 0.01)``: (refused, applied), by
-    :data:`REFUSED` and :data:`ONE_RUN_ONLY`. ``inert`` (``recipe.inert_flags``): flags this
+    """(refused, applied): the flags given other values than the run ``saved`` had, as ``--lr
+    0.05 (the run had 0.01)`` (a flag it did not record is not compared). ``inert``: flags this
     model does not use, never refused."""
     def flag(key: str, value: Any, bare: bool = False) -> str:
         name = key.replace("_", "-")
@@ -247,14 +279,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
     group.add_argument("--img-size", "--train-crop-size", dest="img_size", type=count,
                        help="training crop (default: the run's, or 224)")
-    group.add_argument("--val-resize-size", type=count,
-                       help="(default: img-size x 256/224; torchvision's flags: 256)")
-    group.add_argument("--val-crop-size", type=count,
-                       help="(default: --img-size; torchvision's flags: 224)")
+    group.add_argument("--val-resize-size", type=count, help="(default: --img-size x 256/224)")
+    group.add_argument("--val-crop-size", type=count, help="(default: --img-size)")
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
-    group.add_argument("--workers", "-j", type=number(int, 0),
-                       help="per process (GPU: CPUs-1, CPU: <=8)")
+    group.add_argument("--workers", "-j", type=number(int, 0), help="per process (GPU: CPUs-1)")
     group.add_argument("--decode", default="auto", choices=["auto", "workers", "device"],
                        help="JPEGs decoded by the loader workers or on --device (auto: workers)")
     group.add_argument("--verify-images", action=BoolFlag, default=False,
@@ -277,49 +306,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                        "(default: on; off with --opt, --lr-scheduler, --lr-step-size, --lr-gamma)")
     group.add_argument("--lrf", type=nonnegative, default=0.1, help="final lr / initial lr")
     group.add_argument("--momentum", type=nonnegative, default=0.9, help="SGD/RMSprop momentum")
-    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005,
-                       help="L2 penalty of every parameter trained (groups: --norm-weight-decay)")
+    group.add_argument("--weight-decay", "--wd", type=nonnegative, default=0.005, help="L2 penalty")
     group.add_argument("--grad-accum-steps", type=count, default=1, help="step every K batches")
     group.add_argument("--clip-grad-norm", type=positive, help="max gradient norm")
-    recipe_flags(parser.add_argument_group("torchvision's recipe (docs/recipes.md)"))
-    group = parser.add_argument_group("speed")
-    group.add_argument("--amp", action=BoolFlag, help="mixed precision (default: on for CUDA)")
-    group.add_argument("--channels-last", action=BoolFlag, help="NHWC (default: on for CUDA)")
-    group.add_argument("--compile", action=BoolFlag, default=False, help="torch.compile")
-    group.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="DDP bucket size")
-    group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS,
-                       help="all-reduce gradients in 16 bits (half the bytes, rounded)")
-    group.add_argument("--find-unused-parameters", action=BoolFlag, default=False,
-                       help="ddp: a model whose forward skips some parameters (fsdp needs none)")
-    group = parser.add_argument_group("distributed")
-    group.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="fsdp: each holds 1/N")
-    group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
-    group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
-    group.add_argument("--dist-timeout", type=positive, help="seconds a collective waits for a "
-                       "peer (default: 600 at start-up, evaluation and saves; 120 a step)")
-    group.add_argument("--world-size", "--world_size", type=count,
-                       help="processes (spawn launcher; elsewhere the launcher decides)")
-    group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    group = parser.add_argument_group("run")
-    group.add_argument("--output-dir", type=path_flag, default="runs/train", help="the run's files")
-    group.add_argument("--resume", type=path_flag, default="auto",
-                       help="auto: <output-dir>/checkpoint.pth if there; none; or a checkpoint")
-    group.add_argument("--keep-last", type=number(int, 0), default=0,
-                       help="keep the newest K weights/model-N.pth (0: all)")
-    group.add_argument("--save-every-steps", type=number(int, 0), default=0,
-                       help="also save mid-epoch every K optimizer steps (0: at signals only)")
-    group.add_argument("--eval-only", "--test-only", dest="eval_only", action=BoolFlag,
-                       default=False, help="evaluate the --resume/--weights model and exit")
-    group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")
-    group.add_argument("--print-freq", type=count, default=50, help="log every N steps")
-    group.add_argument("--tensorboard", action=BoolFlag, default=True, help="rank 0 logs curves")
-    return parser
-
-
-def recipe_flags(group: argparse._ArgumentGroup) -> None:
-    """torchvision's training-recipe flags, with its names and defaults (all off here)."""
-    nonnegative, fraction = number(float, 0), number(float, 0, 1)
+    group = parser.add_argument_group("torchvision's recipe (docs/recipes.md)")
     group.add_argument("--opt", choices=OPTIMIZERS, help="(default: sgd); given, it and the "
                        "three below mean what they do in torchvision: --lr the total, val 224")
     group.add_argument("--lr-scheduler", choices=SCHEDULES, help="(default: cosine, or steplr "
@@ -338,15 +328,12 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
                            help=f"{name} on each batch, lam ~ Beta(alpha, alpha)")
     group.add_argument("--auto-augment", choices=AUTO_AUGMENT, help="policy (default: none)")
     group.add_argument("--ra-magnitude", type=number(int, 0), default=9, help="--auto-augment ra")
-    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3,
-                       help="--auto-augment augmix")
+    group.add_argument("--augmix-severity", type=number(int, 1, 10), default=3, help="augmix")
     group.add_argument("--random-erase", type=fraction, default=0.0, help="probability")
     group.add_argument("--interpolation", choices=["nearest", "bilinear", "bicubic"],
                        help="(default: the run's, or bilinear)")
-    group.add_argument("--model-ema", action=BoolFlag, default=False, help="evaluate and save "
-                       "an exponential moving average of the weights too")
-    group.add_argument("--model-ema-steps", type=number(int, 1), default=32,
-                       help="optimizer steps between updates")
+    group.add_argument("--model-ema", action=BoolFlag, default=False, help="an EMA of the weights")
+    group.add_argument("--model-ema-steps", type=number(int, 1), default=32, help="between updates")
     group.add_argument("--model-ema-decay", type=fraction, default=0.99998,
                        help="adjusted to the images per update and the epochs, as torchvision")
     for name in ("norm", "bias"):
@@ -354,6 +341,33 @@ def recipe_flags(group: argparse._ArgumentGroup) -> None:
                            help=f"for {name} parameters (default: --weight-decay)")
     group.add_argument("--transformer-embedding-decay", type=nonnegative,
                        help="for class token and position embeddings (default: --weight-decay)")
-    group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated "
-                       "augmentation: each image --ra-reps times in a row, in other crops")
+    group.add_argument("--ra-sampler", action=BoolFlag, default=False, help="repeated augmentation")
     group.add_argument("--ra-reps", type=number(int, 1), default=3, help="--ra-sampler")
+    group = parser.add_argument_group("speed")
+    group.add_argument("--amp", action=BoolFlag, help="mixed precision (default: on for CUDA)")
+    group.add_argument("--channels-last", action=BoolFlag, help="NHWC (default: on for CUDA)")
+    group.add_argument("--compile", action=BoolFlag, default=False, help="torch.compile")
+    group.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="DDP bucket size")
+    group.add_argument("--comm-hook", default="none", choices=COMM_HOOKS, help="16-bit all-reduce")
+    group.add_argument("--find-unused-parameters", action=BoolFlag, default=False,
+                       help="ddp: a model whose forward skips some parameters (fsdp needs none)")
+    group = parser.add_argument_group("distributed")
+    group.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="fsdp: each holds 1/N")
+    group.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                       help="auto: CUDA if available (NCCL), else CPU (gloo)")
+    group.add_argument("--dist-url", "--dist_url", default="env://", help="or tcp://HOST:PORT")
+    group.add_argument("--dist-timeout", type=positive, help="seconds a peer is waited for")
+    group.add_argument("--world-size", "--world_size", type=count, help="processes to start")
+    group.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    group = parser.add_argument_group("run")
+    group.add_argument("--output-dir", type=path_flag, default="runs/train", help="the run's files")
+    group.add_argument("--resume", type=path_flag, default="auto",
+                       help="auto: <output-dir>/checkpoint.pth if there; none; or a checkpoint")
+    group.add_argument("--keep-last", type=number(int, 0), default=0, help="weights kept (0: all)")
+    group.add_argument("--save-every-steps", type=number(int, 0), default=0, help="mid-epoch too")
+    group.add_argument("--eval-only", "--test-only", dest="eval_only", action=BoolFlag,
+                       default=False, help="evaluate the --resume/--weights model and exit")
+    group.add_argument("--seed", type=seed, default=0, help="split, shuffle, init")
+    group.add_argument("--print-freq", type=count, default=50, help="log every N steps")
+    group.add_argument("--tensorboard", action=BoolFlag, default=True, help="rank 0 logs curves")
+    return parser

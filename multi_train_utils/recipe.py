@@ -28,16 +28,15 @@ EMBEDDINGS = ("class_token", "position_embedding", "relative_position_bias_table
 def resolve_recipe(*, opt: str | None, lr_scheduler: str | None, lr_step_size: int | None,
                    lr_gamma: float | None, scale_lr: bool | None
                    ) -> tuple[dict[str, Any], dict[str, int]]:
-    """torchvision's ``opt``, ``lr_scheduler``, ``lr_step_size``, ``lr_gamma`` and ``scale_lr``
-    (None: not given) filled in, and the validation sizes to default to."""
+    """These flags (None: not given) filled in, and the validation sizes to default to: given
+    any of the first four, torchvision's meanings (an unscaled lr, crops 224 of 256)."""
     step = lr_step_size is not None or lr_gamma is not None
     torchvision = opt is not None or lr_scheduler is not None or step
     scale_lr = not torchvision if scale_lr is None else scale_lr
     if torchvision:
         log.info("torchvision's recipe flags: --lr is %s; validation crops 224 of 256 unless "
-                 "--val-crop-size/--val-resize-size or the run continued say otherwise",
-                 "one process's, scaled with the world size (--scale-lr)" if scale_lr else
-                 "the lr of all processes' batch, not scaled with the world size")
+                 "given or continued", "scaled with the world size (--scale-lr)" if scale_lr
+                 else "the total, not scaled with the world size")
     flags = {"opt": opt or "sgd", "lr_scheduler": lr_scheduler or ("steplr" if step else "cosine"),
              "lr_step_size": 30 if lr_step_size is None else lr_step_size,
              "lr_gamma": 0.1 if lr_gamma is None else lr_gamma, "scale_lr": scale_lr}
@@ -48,10 +47,9 @@ def make_optimizer(model: nn.Module, *, opt: str, lr: float, momentum: float,
                    weight_decay: float, norm_weight_decay: float | None = None,
                    bias_weight_decay: float | None = None,
                    transformer_embedding_decay: float | None = None) -> torch.optim.Optimizer:
-    """The ``opt`` optimizer (one of ``OPTIMIZERS``) over ``model``'s trainable parameters, in
-    the weight-decay groups of torchvision's ``set_weight_decay``: norm layers' parameters
-    (``norm_weight_decay``), biases and transformer embeddings matched by name; each group
-    left None takes ``weight_decay``."""
+    """``opt`` over ``model``'s trainable parameters in torchvision's ``set_weight_decay``
+    groups (norm layers', biases, transformer embeddings); a group's decay left None is
+    ``weight_decay``'s."""
     custom = {} if bias_weight_decay is None else {"bias": bias_weight_decay}
     if transformer_embedding_decay is not None:
         custom.update(dict.fromkeys(EMBEDDINGS, transformer_embedding_decay))
@@ -84,15 +82,13 @@ def inert_flags(model: nn.Module) -> list[str]:
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: str, lrf: float,
-                lr_min: float, lr_step_size: int, lr_gamma: float, warmup_epochs: int,
-                warmup_method: str, warmup_decay: float, start_epoch: int = 0
+                lr_min: float, lr_step_size: int, lr_gamma: float, lr_warmup_epochs: int,
+                lr_warmup_method: str, lr_warmup_decay: float, start_epoch: int = 0
                 ) -> schedulers.LambdaLR:
-    """``lr_scheduler`` (one of ``SCHEDULES``) over ``epochs``, after ``warmup_epochs`` W (from
-    ``lr x warmup_decay``, ``"linear"``ly or ``"constant"``), stepped once per epoch, as a
-    LambdaLR of the factors torch's own schedulers give (run here on a stand-in optimizer): a
-    resumed or longer run lays them out anew from ``start_epoch``, and no scheduler state needs
-    saving."""
-    lr, warm = optimizer.param_groups[0]["lr"], warmup_epochs
+    """``lr_scheduler`` over ``epochs`` after the warmup, stepped once per epoch, as a LambdaLR
+    of the factors torch's own schedulers give on a stand-in optimizer: a resumed or longer run
+    lays them out anew from ``start_epoch``, and no scheduler state needs saving."""
+    lr, warm = optimizer.param_groups[0]["lr"], lr_warmup_epochs
     for group in optimizer.param_groups:  # LambdaLR's base: this run's lr, resumed or not
         group["initial_lr"] = group["lr"]
     if lr_scheduler == "cosine" and not warm:  # the template's own: its exact factors
@@ -106,9 +102,8 @@ def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: 
         "exponentiallr": lambda: schedulers.ExponentialLR(probe, gamma=lr_gamma),
     }[lr_scheduler]()
     if warm:
-        warmup = (schedulers.LinearLR(probe, warmup_decay, total_iters=warm)
-                  if warmup_method == "linear" else
-                  schedulers.ConstantLR(probe, warmup_decay, total_iters=warm))
+        warmup = (schedulers.LinearLR if lr_warmup_method == "linear" else schedulers.ConstantLR)(
+            probe, lr_warmup_decay, total_iters=warm)
         schedule = schedulers.SequentialLR(probe, [warmup, schedule], milestones=[warm])
     factors = []
     for _ in range(epochs + 1):
@@ -120,9 +115,8 @@ def lr_schedule(optimizer: torch.optim.Optimizer, *, epochs: int, lr_scheduler: 
 
 
 class ModelEma(AveragedModel):
-    """An exponential moving average of the weights and buffers, updated every ``every``
-    optimizer steps with weight ``1 - decay`` as torchvision's recipe does (``--model-ema``); a
-    copy of the model held on every rank, the same on each."""
+    """torchvision's exponential moving average of the weights and buffers, updated every
+    ``every`` optimizer steps; a copy of the model on every rank, the same on each."""
 
     def __init__(self, model: nn.Module, *, decay: float, every: int, warmup_epochs: int) -> None:
         super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
@@ -137,8 +131,7 @@ class ModelEma(AveragedModel):
         return cls(model, decay=decay, every=every, warmup_epochs=warmup_epochs)
 
     def load_missing(self, path: str) -> None:
-        """A checkpoint without an average (``--model-ema`` new to a continued run): it starts
-        from the weights just loaded (``n_averaged`` 0: its next update copies them again)."""
+        """A checkpoint without an average: it starts from the weights just loaded."""
         self.module.load_state_dict(self.source[0].state_dict())
         if is_main_process():
             log.info("%s holds no --model-ema average: it starts from these weights", path)
@@ -155,9 +148,8 @@ class ModelEma(AveragedModel):
 
 
 class BatchMix:
-    """torchvision's ``v2.MixUp`` or ``v2.CutMix`` (one of the two, at random, when both are
-    on) on each training batch, ``(N, 3, H, W), (N,) -> (N, 3, H, W), (N, C)`` class
-    probabilities."""
+    """torchvision's ``v2.MixUp`` or ``v2.CutMix`` (at random, when both are on) on each
+    training batch, ``(N, 3, H, W), (N,) -> (N, 3, H, W), (N, C)`` class probabilities."""
 
     def __init__(self, transform: Any, seed: int, num_classes: int) -> None:
         self.transform, self.seed, self.num_classes = transform, seed, num_classes
