@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -123,17 +122,16 @@ def quiet_train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, ba
                           scaler: torch.amp.GradScaler, grad_accum_steps: int = 1,
                           after_step: Callable[..., bool] | None = None,
                           heartbeat: Heartbeat | None = None) -> float:
-    """``train_one_epoch`` with its defaults; its progress (a bar in a terminal, log lines
-    elsewhere) goes nowhere. ``batches``: any iterable of ``(uint8 images, labels)``."""
+    """``train_one_epoch`` with its defaults; its progress log lines go nowhere. ``batches``:
+    any iterable of ``(uint8 images, labels)``."""
     progress_log = logging.getLogger("multi_train_utils.train_eval_utils")
     level = progress_log.level
     progress_log.setLevel(logging.WARNING)
     try:
-        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-            options = LoopOptions(amp_dtype=amp_dtype(args, device), scaler=scaler,
-                                  channels_last=channels_last(args, device),
-                                  grad_accum_steps=grad_accum_steps)
-            return train_one_epoch(model, optimizer, batches, device, 0, options,
-                                   after_step=after_step, heartbeat=heartbeat)
+        options = LoopOptions(amp_dtype=amp_dtype(args, device), scaler=scaler,
+                              channels_last=channels_last(args, device),
+                              grad_accum_steps=grad_accum_steps)
+        return train_one_epoch(model, optimizer, batches, device, 0, options,
+                               after_step=after_step, heartbeat=heartbeat)
     finally:
         progress_log.setLevel(level)

@@ -855,9 +855,9 @@ def test_an_unused_branch_under_plain_ddp_is_one_sentence_naming_the_flag(tmp_pa
         assert "find_unused_parameters=True" in got["error"]
 
 
-def test_progress_goes_to_the_log_when_stdout_is_a_file(caplog, capsys):
-    """Under SLURM or nohup a tqdm bar is one endless "\\r"-joined line (MBs per epoch); there,
-    a log line every print_freq steps says the step, loss, lr, speed and time left."""
+def test_progress_is_a_log_line_every_print_freq_steps(caplog, capsys):
+    """A log line every print_freq steps says the step, loss, lr, speed and time left (a bar
+    would be one endless "\\r"-joined line under SLURM or nohup)."""
     model = tiny_net(4, bn=False, seed=2)
     gen = torch.Generator().manual_seed(3)
     loader = DataLoader(TensorDataset(torch.randn(10, 3, 6, 6, generator=gen),
@@ -871,7 +871,7 @@ def test_progress_goes_to_the_log_when_stdout_is_a_file(caplog, capsys):
     assert lines[-1].startswith(f"[train epoch 3] step 5/5  loss {loss:.4f}  lr 1.00e-02  ")
     assert all(re.search(r"  \d+ img/s per process  eta \d+:\d\d$", line) for line in lines)
     assert lines[-1].endswith("eta 0:00")
-    assert "[train epoch" not in capsys.readouterr().out  # no bar in a file
+    assert "[train epoch" not in capsys.readouterr().out  # no bar
 
 
 # ------------------------------------------------------------------ 7. own data and models

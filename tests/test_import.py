@@ -14,7 +14,7 @@ from conftest import ROOT
 # every module of multi_train_utils; prints what changed.
 IMPORT_ALL = """
 import atexit, importlib, json, os, pkgutil, signal, threading
-import numpy, torch, torch.distributed, torch.utils.data, tqdm
+import numpy, torch, torch.distributed, torch.utils.data
 
 def state():
     return {"atexit hooks": atexit._ncallbacks(),
