@@ -77,8 +77,10 @@ class OptimizerState:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
 
+        groups = [{k: v for k, v in group.items() if k != "initial_lr"}  # the schedule's: laid
+                  for group in state["param_groups"]]  # out anew from this run's flags
         with own_settings(self.optimizer):
-            set_optimizer_state_dict(self.model, self.optimizer, state,
+            set_optimizer_state_dict(self.model, self.optimizer, {**state, "param_groups": groups},
                                      options=StateDictOptions(full_state_dict=True))
 
 
@@ -86,10 +88,10 @@ class OptimizerState:
 def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """An optimizer state loaded within keeps this run's settings (lr, momentum, weight decay:
     its flags and world size), as a new run with these flags would have them."""
-    settings = [dict(group) for group in optimizer.param_groups]
+    settings = [{k: v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups]
     yield
     for group, own in zip(optimizer.param_groups, settings):
-        group.clear()
         group.update(own)
 
 

@@ -84,9 +84,8 @@ def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Ten
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
         raise CheckpointError(f"{path} holds no model state dict (a dict of tensors, or a "
                               "checkpoint with a 'model' entry).")
-    prefix = re.compile(r"(module\.|_orig_mod\.)")
-    while all(prefix.match(k) for k in obj):  # only when a wrapper prefixed every key
-        obj = {prefix.sub("", k, count=1): v for k, v in obj.items()}
+    while all(k.startswith(("module.", "_orig_mod.")) for k in obj):  # a wrapper's, on every key
+        obj = {k.split(".", 1)[1]: v for k, v in obj.items()}
     return dict(obj)
 
 
@@ -118,10 +117,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: 
 
 def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The model's and optimizer's state dicts (None without ``optimizer``) as whole tensors
-    keyed by parameter name, on the CPU of rank 0 (the others get ``{}``): the same under DDP
-    and FSDP, at any world size. Every rank must call it (FSDP gathers the shards, a tensor at a
-    time). On a CPU run the tensors are the live ones."""
+    """The model's and optimizer's (None without one) state dicts, whole tensors keyed by
+    parameter name on rank 0's CPU (``{}`` on the others), at any world size. Every rank calls
+    it: FSDP gathers the shards a tensor at a time. On a CPU run the tensors are the live ones."""
     # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
