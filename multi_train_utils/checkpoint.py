@@ -7,10 +7,9 @@ call each, under DDP (one file) and FSDP (each rank's shards) alike.
     checkpointer.load(path)   # --eval-only registers the model alone
     checkpointer.save()       # every rank; at an epoch's end save(record=..., is_best=...)
 
-A part is anything with ``state_dict()`` and ``load_state_dict()`` (torch's ``Stateful``, as
-torchtitan's checkpointer takes them). ``checkpoint.pth`` holds every part, the train state's
-fields as its top-level keys (torchvision's layout), and is written last in a save; the files of
-a run folder are in docs/resume-and-restarts.md.
+A part is anything with ``state_dict()`` and ``load_state_dict()`` (torch's ``Stateful``).
+``checkpoint.pth`` holds every part, the train state's fields as its top-level keys
+(torchvision's layout); the run folder's files are in docs/resume-and-restarts.md.
 """
 
 from __future__ import annotations
@@ -33,13 +32,13 @@ import torch
 import torch.nn as nn
 
 from .checkpoint_io import (CheckpointError, extract_state_dict, load_file, save_atomic, unwrap,
-                            whole_options, whole_state)
+                            whole_state)
+from .data import EpochProgress
 from .distributed_utils import (all_gather_object, all_ranks_ok, get_rank, get_world_size,
                                 is_main_process, reduce_value)
 from .guard import StopRequest, UserError, signals_deferred
 from .heartbeat import Heartbeat
 from .strategy import is_sharded, load_shards, save_shards
-from .data import EpochProgress
 
 log = logging.getLogger("train")
 TRAIN = "train"  # the part whose fields are the file's top-level keys
@@ -56,9 +55,9 @@ class ModelState:
         return whole_state(self.model)[0]
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.model, state, options=whole_options())
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
 
 
 class OptimizerState:
@@ -68,19 +67,21 @@ class OptimizerState:
         self.model, self.optimizer = unwrap(model), optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
 
-        return get_optimizer_state_dict(self.model, self.optimizer,
-                                        options=whole_options(cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # {} on ranks but 0
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
 
         groups = [{k: v for k, v in group.items() if k != "initial_lr"}  # the schedule's: laid
                   for group in state["param_groups"]]  # out anew from this run's flags
         with own_settings(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, {**state, "param_groups": groups},
-                                     options=whole_options())
+                                     options=StateDictOptions(full_state_dict=True))
 
 
 @contextlib.contextmanager
@@ -95,14 +96,27 @@ def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 class RNGState:
-    """Every rank's RNG states; loaded, each rank goes on with its own (a new rank: its seed's)."""
+    """Every rank's RNG states, as tensors and lists (``weights_only`` loads them); loaded, each
+    rank goes on with its own (a rank new to the run: its seed's)."""
 
     def state_dict(self) -> list[dict[str, Any]]:
-        return all_gather_object(capture_rng_state())
+        kind, keys, *rest = np.random.get_state()
+        state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                 "numpy": [kind, keys.tolist(), *rest]}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return all_gather_object(state)
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
-        if get_rank() < len(states):
-            restore_rng_state(states[get_rank()])
+        if get_rank() >= len(states):
+            return
+        state = states[get_rank()]
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        kind, keys, *rest = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+        if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 @dataclass
@@ -162,7 +176,7 @@ class TrainState:
 
 class Checkpointer:
     """Saves and loads the registered ``states`` (name -> part; None: not in this run) in the run
-    folder ``out``. ``keep_last`` K keeps the newest K epochs' weights (0: all)."""
+    folder ``out``. ``keep_last`` K keeps the newest K epochs' weights and shards (0: all)."""
 
     def __init__(self, out: str | os.PathLike, states: dict[str, Any], *, keep_last: int = 0,
                  heartbeat: Heartbeat | None = None) -> None:
@@ -177,23 +191,25 @@ class Checkpointer:
         all is on disk. The ``final`` FSDP save also exports the last and best weights."""
         self.heartbeat.at("saving")
         model = self.states["model"].model
+        sharded = is_sharded(model)
         with signals_deferred():
             state = {}
             for name, part in self.states.items():
-                if is_sharded(model) and name in SHARDED:
+                if sharded and name in SHARDED:
                     continue
                 value = part.state_dict()  # some gather from every rank: all call, in order
                 if name == TRAIN:
                     state.update(value)
                 elif value != {}:  # a part with nothing to save: a disabled GradScaler
                     state[name] = value
-            if is_sharded(model):
+            if sharded:
                 step = f"-step-{state['in_epoch']['batches']}" if "in_epoch" in state else ""
                 state["shards"] = f"shards/epoch-{state['epoch']}{step}"
                 save_shards(self.out / state["shards"], model, self.states["optimizer"].optimizer)
             if is_main_process():
-                _write(self.out, state, record, is_best, self.keep_last)
-            if final and is_sharded(model):
+                _write(self.out, state, record, is_best)
+                _prune(self.out, state.get("shards"), self.keep_last)
+            if final and sharded:
                 _export_weights(self.out, model, state["epoch"])
             if final and is_main_process() and not (self.out / "model_best.pth").is_file():
                 log.info("no validation images, so no best model: %s holds the last epoch's "
@@ -208,13 +224,9 @@ class Checkpointer:
         problem, state = None, {}
         try:
             state = load_file(path)
-            if not isinstance(state, dict) or not ({"model", "optimizer", "epoch"} <= state.keys()
-                                                   or {"shards", "epoch"} <= state.keys()):
-                raise CheckpointError(f"{path} is not a training checkpoint (model, optimizer, "
-                                      "epoch); to start from its weights use --weights instead.")
-            if "shards" in state and not os.path.isfile(os.path.join(state["shards"], ".metadata")):
-                raise CheckpointError(f"{path} names the shards {state['shards']}, which are not "
-                                      "there (complete); copy the whole run folder.")
+            if not isinstance(state, dict) or "epoch" not in state:
+                raise CheckpointError(f"{path} is not a training checkpoint; to start from its "
+                                      "weights use --weights instead.")
             if check is not None:
                 check(state)
         except UserError as exc:
@@ -233,19 +245,18 @@ class Checkpointer:
     def _load_part(self, name: str, part: Any, state: dict[str, Any], path: str) -> None:
         if name == TRAIN:
             part.load_state_dict(state)
-        elif "shards" in state and name in SHARDED:
-            if name == "model":  # the optimizer's shards with it, if it is registered
-                optimizer = self.states.get("optimizer")
-                with own_settings(optimizer.optimizer) if optimizer else contextlib.nullcontext():
-                    load_shards(state["shards"], part.model, optimizer and optimizer.optimizer)
+        elif "shards" in state and name == "model":  # the optimizer's shards with it, if any
+            optimizer = self.states.get("optimizer")
+            with own_settings(optimizer.optimizer) if optimizer else contextlib.nullcontext():
+                load_shards(state["shards"], part.model, optimizer and optimizer.optimizer)
         elif name in state:
             part.load_state_dict(state[name])
         elif hasattr(part, "load_missing"):  # e.g. an EMA new to the run: from its weights
             part.load_missing(path)
 
 
-def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_best: bool,
-           keep_last: int) -> None:
+def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_best: bool
+           ) -> None:
     epoch = state["epoch"]
     if record is not None and "model" in state:
         save_atomic(state["model"], out / "weights" / f"model-{epoch}.pth")
@@ -254,32 +265,34 @@ def _write(out: Path, state: dict[str, Any], record: dict[str, Any] | None, is_b
                      if k != "n_averaged"}, out / "weights" / f"model_ema-{epoch}.pth")
     if is_best:
         save_atomic(state, out / "model_best.pth")
-    save_atomic(state, out / "checkpoint.pth")
-    if "shards" in state:
-        _prune_shards(out, state["shards"], keep_last)
-    if record is None:
-        return
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    numbered = sorted(int(m.group(1)) for p in (out / "weights").glob("model-*.pth")
-                      if (m := re.fullmatch(r"model-(\d+)\.pth", p.name)))
-    for old in numbered[:-keep_last] if keep_last else []:
-        (out / "weights" / f"model-{old}.pth").unlink()
-        (out / "weights" / f"model_ema-{old}.pth").unlink(missing_ok=True)
+    save_atomic(state, out / "checkpoint.pth")  # last: a crash before leaves the previous one
+    if record is not None:
+        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
 
-def _prune_shards(out: Path, current: str, keep_last: int) -> None:
-    """Rank 0, after a save: remove the shard folders but ``current`` (the save's), the best's
-    (if ``model_best.pth`` is sharded) and the newest ``keep_last`` complete ones."""
-    best = load_file(out / "model_best.pth") if (out / "model_best.pth").is_file() else {}
-    named = {Path(folder).name for folder in (current, best.get("shards")) if folder}
-    epochs = sorted((p for p in (out / "shards").iterdir()
-                     if re.fullmatch(r"epoch-\d+", p.name) and (p / ".metadata").is_file()),
-                    key=lambda p: int(p.name[6:]))
-    kept = {p.name for p in epochs[-keep_last:]} if keep_last else {p.name for p in epochs}
-    for folder in (out / "shards").iterdir():
-        if folder.name not in named | kept:
+def _prune(out: Path, shards: str | None, keep_last: int) -> None:
+    """Rank 0, after a save: the shard folders that are neither an epoch's complete save nor
+    named by checkpoint.pth (``shards``) or model_best.pth go (a step's, a killed save's); then
+    the epochs' files (``weights/model-N.pth``, ``model_ema-N.pth``, ``shards/epoch-N``) but the
+    newest ``keep_last`` epochs' (0: all) and the named ones."""
+    named = {str(out / shards)} if shards else set()
+    if (out / "shards").is_dir() and (out / "model_best.pth").is_file():
+        named.add(load_file(out / "model_best.pth").get("shards"))  # a full path, or None
+    for folder in (out / "shards").glob("*"):
+        complete = re.fullmatch(r"epoch-\d+", folder.name) and (folder / ".metadata").is_file()
+        if not complete and str(folder) not in named:
             shutil.rmtree(folder, ignore_errors=True)
+    epochs = {p: int(m[1]) for p in [*(out / "weights").glob("*"), *(out / "shards").glob("*")]
+              if (m := re.fullmatch(r"(?:model|model_ema|epoch)-(\d+)(?:\.pth)?", p.name))}
+    newest = sorted(set(epochs.values()))[-keep_last:] if keep_last else epochs.values()
+    for path, epoch in epochs.items():
+        if epoch in newest or str(path) in named:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
 
 
 def _export_weights(out: Path, model: nn.Module, epoch: int) -> None:
@@ -313,23 +326,3 @@ def step_saves(stop: StopRequest, save: Callable[[], None], every: int = 0
         return stopping
 
     return after_step
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG states as plain values (bytes, lists), for ``weights_only`` loading."""
-    kind, keys, *rest = np.random.get_state()
-    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate(),
-             "numpy": [kind, keys.tolist(), *rest]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))

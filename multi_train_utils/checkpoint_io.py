@@ -53,32 +53,30 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
 def load_file(path: str | os.PathLike) -> Any:
     """``torch.load`` on the CPU with ``weights_only=True``, memory-mapped (a tensor is read when
     it is used); one sentence for an unusable file. A sharded checkpoint's ``shards`` folder is
-    given back as a full path."""
+    given back as a full path, checked to be there."""
     if not os.path.isfile(path):
         what = "is a folder; give a file in it" if os.path.isdir(path) else "does not exist"
         raise CheckpointError(f"{path} {what}.")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True,
                          mmap=zipfile.is_zipfile(path))  # a legacy (not zip) file: no mmap
-        if isinstance(obj, dict) and isinstance(obj.get("shards"), str):
-            obj["shards"] = str(Path(path).parent / obj["shards"])
-        return obj
     except Exception as exc:  # truncated, damaged, pickled objects, another format
         detail = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().split("\n")[0][:160]
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint "
                               f"({type(exc).__name__}: {detail}).") from None
+    if isinstance(obj, dict) and isinstance(obj.get("shards"), str):
+        obj["shards"] = str(Path(path).parent / obj["shards"])
+        if not os.path.isfile(os.path.join(obj["shards"], ".metadata")):
+            raise CheckpointError(f"{path} names the shards {obj['shards']}, which are not there "
+                                  "(complete); copy the whole run folder.")
+    return obj
 
 
 def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model state dict in ``obj`` (ours, torchvision's or Lightning's checkpoint, or a bare
     state dict), without the ``module.`` / ``_orig_mod.`` prefixes of wrappers."""
     if isinstance(obj, dict) and "shards" in obj and "model" not in obj:  # saved under fsdp
-        try:
-            obj = read_shards(obj["shards"])
-        except Exception as exc:  # missing, or a save that never finished
-            raise CheckpointError(f"{path} names the shards {obj['shards']}, which cannot be "
-                                  f"read ({type(exc).__name__}); copy the whole run folder."
-                                  ) from None
+        obj = read_shards(obj["shards"])
     for key in ("model", "state_dict", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -86,9 +84,8 @@ def extract_state_dict(obj: Any, path: str | os.PathLike) -> dict[str, torch.Ten
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
         raise CheckpointError(f"{path} holds no model state dict (a dict of tensors, or a "
                               "checkpoint with a 'model' entry).")
-    prefix = re.compile(r"(module\.|_orig_mod\.)")
-    while all(prefix.match(k) for k in obj):  # only when a wrapper prefixed every key
-        obj = {prefix.sub("", k, count=1): v for k, v in obj.items()}
+    while all(k.startswith(("module.", "_orig_mod.")) for k in obj):  # a wrapper's, on every key
+        obj = {k.split(".", 1)[1]: v for k, v in obj.items()}
     return dict(obj)
 
 
@@ -96,24 +93,20 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: 
                     state: dict[str, torch.Tensor] | None = None) -> None:
     """``--weights``: load the tensors of ``path`` (or ``state``, read already; ``path`` then
     only names it) whose names and shapes fit ``model``, e.g. all but a 1000-class classifier
-    ``head`` (its top-level module), and say what did not. Weights of another architecture
-    (backbone shapes differ) are refused, not mixed in. ``strict`` (evaluation): every tensor of
-    the model must come from the file."""
+    ``head`` (its top-level module), and say what did not. ``strict`` (evaluation): every
+    tensor of the model must come from the file."""
     state = extract_state_dict(load_file(path), path) if state is None else state
     own = unwrap(model).state_dict()
-    other = [k for k in state if k in own and own[k].shape != state[k].shape
-             and not k.startswith(f"{head}.")]
-    if other or not any(k in own for k in state):
-        example = f" (e.g. {other[0]}: {list(state[other[0]].shape)})" if other else ""
-        raise CheckpointError(f"{path} does not fit this model{example}; were the weights made "
-                              "for another --model?")
     fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-    unwrap(model).load_state_dict(fitting, strict=False)
     skipped, missing = sorted(state.keys() - fitting.keys()), sorted(own.keys() - fitting.keys())
-    if strict and missing:
-        raise CheckpointError(f"{path} does not fit this model and data ({len(missing)} "
-                              f"tensor(s) missing or of other shapes, e.g. {missing[0]}), so its "
-                              "accuracy would be meaningless; pass its --model and data.")
+    # Refused: a backbone tensor of another shape (strict: any the file lacks), or none fits.
+    refused = [k for k in missing if strict or k in state and not k.startswith(f"{head}.")]
+    if refused or not fitting:
+        refused = refused or missing
+        raise CheckpointError(f"{path} does not fit this model ({len(refused)} tensor(s) missing "
+                              f"or of other shapes, e.g. {refused[0]}); pass the --model and data "
+                              "it was trained for.")
+    unwrap(model).load_state_dict(fitting, strict=False)
     new = sorted({k.rsplit(".", 1)[0] for k in missing if k.startswith(f"{head}.")})  # layers
     log.info("loaded %s: %d of the model's %d tensors%s", path, len(own) - len(missing),
              len(own), f"; new for the data's classes: {', '.join(new)}" if new else "")
@@ -122,25 +115,16 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, *, head: 
                     "not loaded, %d of the file unused)", path, len(missing), len(skipped))
 
 
-def whole_options(cpu_offload: bool = False) -> Any:
-    """``StateDictOptions`` for whole tensors, under FSDP too (``cpu_offload``: on rank 0's CPU,
-    ``{}`` on the others)."""
-    # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-
-
 def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The model's and optimizer's state dicts (None without ``optimizer``) as whole tensors
-    keyed by parameter name, on the CPU of rank 0 (the others get ``{}``): the same under DDP
-    and FSDP, at any world size. Every rank must call it (FSDP gathers the shards, a tensor at a
-    time). On a CPU run the tensors are the live ones."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+    """The model's and optimizer's (None without one) state dicts, whole tensors keyed by
+    parameter name on rank 0's CPU (``{}`` on the others), at any world size. Every rank calls
+    it: FSDP gathers the shards a tensor at a time. On a CPU run the tensors are the live ones."""
+    # Imported here: torch.distributed.checkpoint adds half a second to each process's start.
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
-    model, options = unwrap(model), whole_options(cpu_offload=True)
+    model, options = unwrap(model), StateDictOptions(full_state_dict=True, cpu_offload=True)
     optimizer_state = None if optimizer is None else get_optimizer_state_dict(
         model, optimizer, options=options)
     return get_model_state_dict(model, options=options), optimizer_state

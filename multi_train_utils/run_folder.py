@@ -70,9 +70,8 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     to ``<out>/previous-runs/<time>/``, so nothing saved is overwritten or mixed with this run.
     Returns the ``--resume`` checkpoint and the ``--weights`` file where they are now: one that
     was among the files moved (``--resume <out>/model_best.pth``) is read from its new place."""
-    own = out / "checkpoint.pth"
-    if resume_from and os.path.isfile(resume_from) and own.is_file() and os.path.samefile(
-            resume_from, own):  # the same file, through a link too (runs/latest -> runs/a)
+    # Paths compared resolved, through links too: runs/latest -> runs/b, best.pth -> ...
+    if resume_from and Path(resume_from).resolve() == (out / "checkpoint.pth").resolve():
         return resume_from, weights  # this run goes on: nothing moves
     found = [name for name in RUN_FILES if (out / name).exists()]
     if not {"checkpoint.pth", "model_best.pth", "weights", "metrics.jsonl"} & set(found):
@@ -82,8 +81,7 @@ def move_earlier_run(out: Path, resume_from: str | None = None, weights: str | N
     for name in found:
         (out / name).rename(aside / name)
     log.info("the earlier run's files in %s were moved to %s", out, aside)
-    # After the move a path resolves (through links: runs/latest -> runs/b, best.pth -> ...) to
-    # where its file was; if that was among the files moved, it is now the same place in aside.
+    # A path that resolved to one of the files moved is now the same place in aside.
     root, now = out.resolve(), []
     for path in (resume_from, weights):
         full = Path(path).resolve() if path else root

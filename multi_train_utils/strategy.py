@@ -27,12 +27,9 @@ def check_strategy(strategy: str, world_size: int, *, compile: bool, comm_hook: 
     """One sentence for a flag ``strategy`` cannot honour; a note where it changes nothing."""
     if strategy != "fsdp":
         return
-    if model_ema:
-        raise ConfigError("--model-ema keeps a whole copy of the model on every rank, which "
-                          "--strategy fsdp is there to avoid; drop one of them.")
-    if compile:
-        raise ConfigError("--compile is not supported with --strategy fsdp here (only with "
-                          "ddp); drop --compile, or use --strategy ddp.")
+    if model_ema or compile:  # --model-ema: a whole copy of the model on every rank
+        raise ConfigError(f"{'--model-ema' if model_ema else '--compile'} is not supported with "
+                          "--strategy fsdp; drop it, or use --strategy ddp.")
     if comm_hook != "none":
         raise ConfigError(f"--comm-hook {comm_hook} compresses DDP's all-reduce; with "
                           "--strategy fsdp use --amp (16-bit parameters, float32 reduction).")
@@ -41,21 +38,17 @@ def check_strategy(strategy: str, world_size: int, *, compile: bool, comm_hook: 
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of ``model``, :func:`shard_model`'s units: modules with submodules and
-    parameters whose class, not ``torch.nn``'s nor a container, is a direct child of an
-    ``nn.Sequential``, ``ModuleList`` or ``ModuleDict`` at least twice (ResNet's BasicBlock,
-    ViT's EncoderBlock, MobileNet's InvertedResidual, ...); a block inside one stays in it."""
-    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-    counts = Counter(type(c) for m in model.modules() if isinstance(m, containers)
-                     for c in m.children())
+    """The repeated blocks of ``model``, :func:`shard_model`'s units: the outermost modules with
+    submodules and parameters whose class, not ``torch.nn``'s nor a container, ``model`` holds
+    twice or more (ResNet's BasicBlock, ViT's EncoderBlock, MobileNet's InvertedResidual, ...)."""
+    counts = Counter(type(m) for m in model.modules())
     units: list[nn.Module] = []
-    taken: set[int] = set()  # the modules inside a unit found
     for m in model.modules():  # parents before their children
-        if (id(m) not in taken and counts[type(m)] >= 2 and not isinstance(m, containers)
-                and not type(m).__module__.startswith("torch.nn.")
-                and any(True for _ in m.children()) and any(True for _ in m.parameters())):
+        if (counts[type(m)] >= 2 and not type(m).__module__.startswith("torch.nn.")
+                and not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+                and any(True for _ in m.children()) and any(True for _ in m.parameters())
+                and not any(m in unit.modules() for unit in units)):
             units.append(m)
-            taken |= {id(x) for x in m.modules()}
     return units
 
 
@@ -72,21 +65,19 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
                 mixed_precision: torch.dtype | None = None,
                 units: Sequence[type[nn.Module] | str] | None = None) -> nn.Module:
     """Shard ``model`` in place with FSDP2 on ``device`` (default: where the model is) and return
-    it, now also an ``FSDPModule`` whose parameters are ``DTensor`` shards. Build the optimizer
-    after: on the shards. BatchNorm keeps float32 weights (its kernels need them) under
-    ``mixed_precision``."""
+    it, now also an ``FSDPModule`` of ``DTensor`` shards (build the optimizer after), a unit per
+    block of ``units`` (classes or class names; default :func:`fsdp_units`). BatchNorm keeps
+    float32 weights (its kernels need them) under ``mixed_precision``."""
     # Imported here: FSDP and DTensor add about half a second to every process's start-up.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    # Rank 0's real tensors (no copy), held before fully_shard swaps in the shards.
-    whole = model.state_dict() if dist.get_rank() == 0 else {}
+    whole = model.state_dict() if dist.get_rank() == 0 else {}  # before the shards replace it
     device = device or next(model.parameters()).device
     if device.type == "cpu":
         return_freed_memory()
-    # Without a mesh, fully_shard puts the shards on the machine's accelerator: a --device cpu
-    # run on a GPU host would shard onto CUDA under a gloo group. The run's device decides.
+    # The run's device, not fully_shard's default (the machine's accelerator: CUDA under gloo).
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
     blocks = fsdp_units(model) if units is None else [
@@ -97,16 +88,15 @@ def shard_model(model: nn.Module, device: torch.device | None = None, *,
                  and not isinstance(m, FSDPModule)]  # not in an inner unit already
         if mixed_precision is not None and norms:
             fully_shard(norms, mesh=mesh)  # one float32 unit (no policy: their own dtype)
-        # The root too frees its gathered parameters after forward (FSDP2 keeps them by default,
-        # for the backward that follows): after evaluate() no unit stays whole.
+        # The root too frees its gathered parameters after forward (FSDP2's default keeps them
+        # for backward): after evaluate() no unit stays whole.
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device=device)  # this rank's shards, uninitialised until filled below
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
                                                                 broadcast_from_rank0=True))
-    # Rank 0's CPU random state too: a build on the meta device draws no random numbers, so a
-    # CPU run's dropout would draw other masks there than after the same build on every rank
-    # (DDP). CUDA's generators are not used by a build: the same on every rank already.
+    # Rank 0's CPU random state too, as after a build on every rank (DDP): a build on the meta
+    # device draws none, so dropout would differ. A build does not use CUDA's generators.
     rng = torch.get_rng_state().to(device)  # NCCL sends device tensors
     dist.broadcast(rng, src=0)
     torch.set_rng_state(rng.cpu())
@@ -121,8 +111,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 def save_shards(folder: str | os.PathLike, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its own shards of the (bare) model's and the optimizer's state into
-    ``folder``, gathering nothing: ``torch.distributed.checkpoint``."""
+    """Every rank writes its shards of the (bare) model's and the optimizer's state into
+    ``folder`` with ``torch.distributed.checkpoint``, gathering nothing."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as states
 
@@ -133,8 +123,8 @@ def save_shards(folder: str | os.PathLike, model: nn.Module,
 
 def load_shards(folder: str | os.PathLike, model: nn.Module,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Inverse of :func:`save_shards` (no ``optimizer``: the model alone) at any world size,
-    under FSDP, DDP or in one process: each rank reads into its own tensors what they hold."""
+    """Inverse of :func:`save_shards` (no ``optimizer``: the model alone), at any world size,
+    under FSDP, DDP or in one process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as states
 
@@ -149,7 +139,7 @@ def load_shards(folder: str | os.PathLike, model: nn.Module,
 
 def read_shards(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The whole model state dict in a :func:`save_shards` folder, read by this process alone
-    (to predict, to export): tensors as the folder's index describes them."""
+    (to predict, to export)."""
     from torch.distributed.checkpoint import FileSystemReader, load
 
     index = FileSystemReader(folder).read_metadata().state_dict_metadata
@@ -160,9 +150,8 @@ def read_shards(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _share_buffers_for_eval(module: nn.Module, inputs: object) -> None:
-    """Before an eval-mode forward, every rank takes rank 0's buffers (BatchNorm's running
-    statistics, which FSDP2 does not synchronise), as DDP's ``broadcast_buffers`` does: each rank
-    scores its share of the val set with the saved statistics; once per evaluation."""
+    """Once before each evaluation, every rank takes rank 0's buffers (BatchNorm's running
+    statistics, which FSDP2 does not synchronise), as DDP's ``broadcast_buffers`` does."""
     if not (module.training or getattr(module, "buffers_shared", False)):
         share_buffers(module)
     module.buffers_shared = not module.training
@@ -181,9 +170,8 @@ def share_buffers(module: nn.Module) -> None:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Backward inside it reduces gradients across ranks only if ``enabled``: the non-final
-    micro-batches of gradient accumulation skip it (DDP's ``no_sync``, FSDP2's
-    ``set_requires_gradient_sync(False)``), and the final one reduces the summed gradient."""
+    """Backward inside it reduces gradients across ranks only if ``enabled`` (DDP's ``no_sync``,
+    FSDP2's ``set_requires_gradient_sync``): gradient accumulation's last micro-batch alone."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if is_sharded(model):
         model.set_requires_gradient_sync(enabled)

@@ -38,7 +38,7 @@ from conftest import (LAUNCH, ProcessTree, assert_same_tensors, assert_user_erro
 from benchmarks.fsdp import local_bytes
 from dist_helpers import run_ranks
 from model import Bottleneck, ResNet, get_model
-from multi_train_utils.checkpoint import _prune_shards
+from multi_train_utils.checkpoint import _prune
 from multi_train_utils.checkpoint_io import extract_state_dict, load_file, save_atomic, whole_state
 from multi_train_utils.run_folder import move_earlier_run
 from multi_train_utils.strategy import (RESIDUAL_BLOCKS, gradient_sync, load_shards,
@@ -333,7 +333,7 @@ def test_pruning_and_moving_a_run_keep_its_shards_with_the_files_naming_them(tmp
         (out / "shards" / tag / ".metadata").write_bytes(b"")
     save_atomic({"epoch": 0, "model": {"w": torch.zeros(1)}}, out / "model_best.pth")  # ddp's
     save_atomic({"epoch": 2, "shards": "shards/epoch-2"}, out / "checkpoint.pth")
-    _prune_shards(out, "shards/epoch-2", keep_last=1)
+    _prune(out, "shards/epoch-2", keep_last=1)
     assert [p.name for p in (out / "shards").iterdir()] == ["epoch-2"]
     move_earlier_run(out)
     (aside,) = (out / "previous-runs").iterdir()
