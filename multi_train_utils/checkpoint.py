@@ -96,27 +96,27 @@ def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 class RNGState:
-    """Every rank's RNG states, as tensors and lists (``weights_only`` loads them); loaded, each
-    rank goes on with its own (a rank new to the run: its seed's)."""
+    """Every rank's RNG states as plain values (bytes, lists: ``weights_only`` loads them);
+    loaded, each rank goes on with its own (a rank new to the run: its seed's)."""
 
     def state_dict(self) -> list[dict[str, Any]]:
         kind, keys, *rest = np.random.get_state()
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+        state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate(),
                  "numpy": [kind, keys.tolist(), *rest]}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state()
+            state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
         return all_gather_object(state)
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         if get_rank() >= len(states):
             return
         state = states[get_rank()]
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
+        torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+        random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
         kind, keys, *rest = state["numpy"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
         if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state(state["cuda"])
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
 
 
 @dataclass

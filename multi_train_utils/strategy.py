@@ -43,12 +43,14 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     twice or more (ResNet's BasicBlock, ViT's EncoderBlock, MobileNet's InvertedResidual, ...)."""
     counts = Counter(type(m) for m in model.modules())
     units: list[nn.Module] = []
+    taken: set[int] = set()  # the modules inside a unit found
     for m in model.modules():  # parents before their children
-        if (counts[type(m)] >= 2 and not type(m).__module__.startswith("torch.nn.")
+        if (id(m) not in taken and counts[type(m)] >= 2
+                and not type(m).__module__.startswith("torch.nn.")
                 and not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
-                and any(True for _ in m.children()) and any(True for _ in m.parameters())
-                and not any(m in unit.modules() for unit in units)):
+                and any(True for _ in m.children()) and any(True for _ in m.parameters())):
             units.append(m)
+            taken |= {id(x) for x in m.modules()}
     return units
 
 
