@@ -60,10 +60,11 @@ def test_the_sources_are_measured():
     assert not benchmarks & names and not any(n.startswith("tests/") for n in names)
 
 
-def test_source_is_at_most_4750_lines():
-    """The aim is 3,900 (every capability kept); this cap only keeps the count from growing."""
+def test_source_is_at_most_4650_lines():
+    """A ratchet on the count (4,599 lines with every capability); the aim of 3,900 waits on a
+    decision about which capabilities the template drops."""
     sizes = {p.relative_to(ROOT).as_posix(): lines(p) for p in source_files()}
-    assert sum(sizes.values()) <= 4750, sorted(sizes.items(), key=lambda kv: -kv[1])
+    assert sum(sizes.values()) <= 4650, sorted(sizes.items(), key=lambda kv: -kv[1])
 
 
 def test_no_file_over_450_lines():
