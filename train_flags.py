@@ -279,11 +279,14 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
     group.add_argument("--img-size", "--train-crop-size", dest="img_size", type=count,
                        help="training crop (default: the run's, or 224)")
-    group.add_argument("--val-resize-size", type=count, help="(default: --img-size x 256/224)")
-    group.add_argument("--val-crop-size", type=count, help="(default: --img-size)")
+    group.add_argument("--val-resize-size", type=count,
+                       help="(default: --img-size x 256/224; torchvision's flags: 256)")
+    group.add_argument("--val-crop-size", type=count,
+                       help="(default: --img-size; torchvision's flags: 224)")
     group.add_argument("--num-classes", "--num_classes", type=count,
                        help="checked: must equal the number of class folders")
-    group.add_argument("--workers", "-j", type=number(int, 0), help="per process (GPU: CPUs-1)")
+    group.add_argument("--workers", "-j", type=number(int, 0),
+                       help="per process (GPU: CPUs-1, CPU: <=8)")
     group.add_argument("--decode", default="auto", choices=["auto", "workers", "device"],
                        help="JPEGs decoded by the loader workers or on --device (auto: workers)")
     group.add_argument("--verify-images", action=BoolFlag, default=False,
