@@ -61,7 +61,7 @@ def test_the_sources_are_measured():
 
 
 def test_source_is_at_most_4650_lines():
-    """A ratchet on the count (4,599 lines with every capability); the aim of 3,900 waits on a
+    """A ratchet on the count (about 4,600 lines with every capability); the aim of 3,900 waits on a
     decision about which capabilities the template drops."""
     sizes = {p.relative_to(ROOT).as_posix(): lines(p) for p in source_files()}
     assert sum(sizes.values()) <= 4650, sorted(sizes.items(), key=lambda kv: -kv[1])
