@@ -224,9 +224,10 @@ class Checkpointer:
         problem, state = None, {}
         try:
             state = load_file(path)
-            if not isinstance(state, dict) or "epoch" not in state:
-                raise CheckpointError(f"{path} is not a training checkpoint; to start from its "
-                                      "weights use --weights instead.")
+            if not isinstance(state, dict) or not ({"model", "epoch"} <= state.keys()
+                                                   or {"shards", "epoch"} <= state.keys()):
+                raise CheckpointError(f"{path} is not a training checkpoint (model, epoch); to "
+                                      "start from its weights use --weights instead.")
             if check is not None:
                 check(state)
         except UserError as exc:
@@ -278,7 +279,8 @@ def _prune(out: Path, shards: str | None, keep_last: int) -> None:
     newest ``keep_last`` epochs' (0: all) and the named ones."""
     named = {str(out / shards)} if shards else set()
     if (out / "shards").is_dir() and (out / "model_best.pth").is_file():
-        named.add(load_file(out / "model_best.pth").get("shards"))  # a full path, or None
+        with contextlib.suppress(CheckpointError):  # its shards deleted by hand: none to keep
+            named.add(load_file(out / "model_best.pth").get("shards"))  # a full path, or None
     for folder in (out / "shards").glob("*"):
         complete = re.fullmatch(r"epoch-\d+", folder.name) and (folder / ".metadata").is_file()
         if not complete and str(folder) not in named:

@@ -4,11 +4,13 @@ run's settings and the run's state."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from conftest import assert_same_tensors
 from multi_train_utils.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
+from multi_train_utils.checkpoint_io import CheckpointError
 
 
 class Counter:
@@ -67,3 +69,15 @@ def test_a_part_the_file_lacks_stays_as_built_and_the_model_loads_alone(tmp_path
         str(tmp_path / "checkpoint.pth"))  # as --eval-only: the model part, nothing else
     assert counter.value == 3
     assert_same_tensors(fresh.state_dict(), model.state_dict())
+
+
+def test_a_file_without_our_parts_is_refused_not_half_loaded(tmp_path):
+    """Lightning's checkpoints have an epoch but no "model": resumed, the model would stay as
+    built, silently; weights go through --weights instead."""
+    model, optimizer = trained()
+    path = tmp_path / "lightning.ckpt"
+    torch.save({"epoch": 3, "state_dict": model.state_dict()}, path)
+    train = TrainState()
+    with pytest.raises(CheckpointError, match="is not a training checkpoint"):
+        Checkpointer(tmp_path, parts(*trained(lr=0.2), train)).load(str(path))
+    assert train.epoch == 0
