@@ -3,6 +3,7 @@ run (docs/bad-data.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -70,13 +71,13 @@ def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device) -> list[tor
     return [TF.pil_to_tensor(load_pil_image(io.BytesIO(x.numpy()))).to(device) for x in data]
 
 
-def load_image_tensor(path: str) -> torch.Tensor:
-    """The image at ``path`` as ``uint8 (3, H, W)`` RGB, EXIF-oriented. Only JPEG goes through
-    :func:`decode_jpegs`: torchvision's PNG decoder kills the process on damaged data (vision#3613),
-    decodes all of an animated GIF and ignores WebP's EXIF orientation, unlike PIL."""
-    with open(path, "rb") as f:  # the rest only for a JPEG: PIL opens other formats itself
+def load_image_tensor(path: str | io.BytesIO) -> torch.Tensor:
+    """The image at (or in) ``path`` as ``uint8 (3, H, W)`` RGB, EXIF-oriented. Only JPEG goes
+    through :func:`decode_jpegs`: torchvision's PNG decoder kills the process on damaged data
+    (vision#3613), decodes all of an animated GIF and ignores WebP's EXIF orientation."""
+    with open(path, "rb") if isinstance(path, str) else contextlib.nullcontext(path) as f:
         data = f.read(len(_JPEG_START))
-        data += f.read() if data == _JPEG_START else b""
+        data += f.read() if data == _JPEG_START else b""  # else PIL opens it itself
     if data.startswith(_JPEG_START):
         try:
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -155,7 +156,7 @@ class MyDataSet(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         # index + k * len: the k-th copy of an image (repeated augmentation), augmented apart.
-        img, label = self._load_or_replace(index % len(self.images_path))
+        img, label = self._load_or_replace(index % len(self))
         if self.transform is None:
             return img, label
         epoch = int(self._epoch[0])
@@ -182,6 +183,10 @@ class MyDataSet(Dataset):
                     raise
                 self._bad[i] = True
                 report_unreadable(self.images_path[i], exc, self.skip_log)
+        return self.stand_in()
+
+    def stand_in(self) -> tuple[Any, int]:
+        """A black image labelled ``IGNORE_INDEX``, which the loss and ``evaluate`` ignore."""
         black = torch.zeros(3, 8, 8, dtype=torch.uint8)
         return (TF.to_pil_image(black) if self.use_pil else black), IGNORE_INDEX
 

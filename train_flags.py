@@ -109,9 +109,15 @@ def check_data(args: argparse.Namespace, root: str, classes: list[str], train_lo
     """The data against the flags: the class folders decide the classes, and every process needs
     a batch."""
     if args.num_classes not in (None, len(classes)):
-        raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} class "
-                          "folders; drop the flag, or give the folder those classes.")
-    if len(train_loader) == 0 and not args.eval_only:
+        raise ConfigError(f"--num-classes {args.num_classes}, but {root} has {len(classes)} "
+                          "classes; drop the flag, or give the data those classes.")
+    if args.eval_only:
+        return
+    if left := len(train_loader.batch_sampler.sampler) % args.batch_size:  # drop_last
+        log.info("each epoch leaves out the last %d images of each process's share of its "
+                 "shuffled order (others each epoch): they make no full batch of %d", left,
+                 args.batch_size)
+    if len(train_loader) == 0:
         raise ConfigError(f"{len(train_loader.dataset)} training images make no batch of "
                           f"{args.batch_size} for each of {world_size} process(es); lower "
                           "--batch-size.")
@@ -273,10 +279,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     fraction, seed = number(float, 0, 1), number(int, 0, 2**32 - 1)  # numpy's seed range
     group = parser.add_argument_group("data")
     group.add_argument("--data-path", "--data_path", type=path_flag,
-                       help="a folder with a sub-folder of images per class (default: demo data)")
+                       help="a folder with a sub-folder of images per class, or a shard index "
+                       "(docs/shards.md) (default: demo data)")
     group.add_argument("--demo-dir", type=path_flag, help="where the demo data is generated")
     group.add_argument("--val-rate", type=fraction, default=0.2, help="held out per class")
-    group.add_argument("--val-path", type=path_flag, help="a separate validation folder")
+    group.add_argument("--val-path", type=path_flag, help="a validation folder or shard index")
+    group.add_argument("--shard-cache", type=path_flag,
+                       help="where http shards are downloaded (default: $TMPDIR/shard-cache)")
     group.add_argument("--img-size", "--train-crop-size", dest="img_size", type=count,
                        help="training crop (default: the run's, or 224)")
     group.add_argument("--val-resize-size", type=count,

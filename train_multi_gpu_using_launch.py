@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from augment import get_transforms
-from image_folder import FolderScan, scan_image_folder, split_train_val, write_scan_files
+from image_folder import FolderScan, scan_image_folder, split_train_val
 from model import freeze_backbone, get_model, load_weights
 from multi_train_utils.checkpoint import (Checkpointer, ModelState, OptimizerState, RNGState,
                                           TrainState, step_saves)
@@ -42,6 +42,7 @@ from multi_train_utils.train_eval_utils import (LoopOptions, evaluate, format_re
                                                 train_one_epoch)
 from my_dataset import MyDataSet
 from run_log import epoch_record, log_epoch, tensorboard_writer, write_json_atomic
+from shards import ShardIndex, is_shard_index, open_shards
 from train_flags import (augment_kwargs, check_data, continued_run, ddp_kwargs, ema_kwargs,
                          get_args_parser, loader_options, loop_options, optimizer_kwargs,
                          prepare_run, run_args, schedule_kwargs)
@@ -58,16 +59,22 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts anyway)
 
     # 2. Data. Rank 0 lists the folder, or reuses the run's list; each machine reads it as its own.
-    scan = run_on_main(scan_image_folder, root, verify=args.verify_images, reuse=out).rebased(root)
-    val_scan = args.val_path and run_on_main(scan_image_folder, args.val_path, min_classes=1,
-                                             verify=args.verify_images).rebased(args.val_path)
-    train_paths, train_labels, val_paths, val_labels = split_train_val(  # by name and --seed:
-        scan, args.val_rate, args.seed, val_scan=val_scan)  # stable as the folder grows
     transforms = get_transforms(args.img_size, args.decode, **augment_kwargs(args))  # workers'
     skip_log = None if args.eval_only else out / "skipped_files.txt"
-    train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
-                          skip_log=skip_log, replace_unreadable=True)
-    val_set = MyDataSet(val_paths, val_labels, transforms["val"], skip_log=skip_log)
+    if is_shard_index(root):  # tar shards, local or over http (shards.py): sample i is [i]
+        scan, train_set, val_set = open_shards(
+            root, args.val_path, transforms, seed=args.seed, skip_log=skip_log,
+            cache_dir=args.shard_cache, num_classes=args.num_classes)
+    else:
+        scan = run_on_main(scan_image_folder, root, verify=args.verify_images,
+                           reuse=out).rebased(root)
+        val_scan = args.val_path and run_on_main(scan_image_folder, args.val_path, min_classes=1,
+                                                 verify=args.verify_images).rebased(args.val_path)
+        train_paths, train_labels, val_paths, val_labels = split_train_val(  # by name, --seed:
+            scan, args.val_rate, args.seed, val_scan=val_scan)  # stable as the folder grows
+        train_set = MyDataSet(train_paths, train_labels, transforms["train"], seed=args.seed,
+                              skip_log=skip_log, replace_unreadable=True)
+        val_set = MyDataSet(val_paths, val_labels, transforms["val"], skip_log=skip_log)
     # Each rank draws its 1/N of each epoch's order; validation pads to N, evaluate() drops it.
     train_sampler = ResumableSampler(train_set, info.world_size, info.rank, seed=args.seed,
                                      repeats=args.ra_reps if args.ra_sampler else 1)
@@ -113,7 +120,7 @@ def main(args: argparse.Namespace) -> None:
     if ckpt_path:  # refused flags stop it here (train_flags.continued_run); the others apply
         checkpointer.load(ckpt_path, partial(continued_run, path=ckpt_path, classes=scan.classes,
                                              flags=train.flags, model=model_without_ddp))
-        scan.resume_epoch(train.progress, train.saved, out, train_paths)  # its own images
+        scan.resume_epoch(train.progress, train.saved, out, train_set.images_path)
     scheduler = lr_schedule(optimizer, **schedule_kwargs(args), start_epoch=train.epoch)
     if not run_on_main(start_run, out, scan, train, device, optimizer, kwargs, loop):
         return cleanup()  # the run holds --epochs epochs already
@@ -177,7 +184,7 @@ def evaluate_only(model: torch.nn.Module, val_loader: DataLoader, device: torch.
     cleanup()
 
 
-def start_run(out: Path, scan: FolderScan, train: TrainState, device: torch.device,
+def start_run(out: Path, scan: FolderScan | ShardIndex, train: TrainState, device: torch.device,
               optimizer: torch.optim.Optimizer, loader_kwargs: dict, loop: LoopOptions) -> bool:
     """Rank 0's (the others would race): the run's files beside its checkpoint (``metrics.jsonl``
     as the checkpoint records it, each finished epoch once though the last attempt died before
@@ -185,7 +192,7 @@ def start_run(out: Path, scan: FolderScan, train: TrainState, device: torch.devi
     the run holds its ``--epochs`` epochs already."""
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train.metrics),
                                        encoding="utf-8")
-    write_scan_files(out, scan)
+    scan.write_files(out)
     write_json_atomic(out / "args.json", train.flags)
     flags, start = train.flags, train.epoch
     if start >= flags["epochs"]:

@@ -194,6 +194,8 @@ def _is_run_failure(exc: BaseException) -> bool:
 
 def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if "Original Traceback" in str(exc):  # a loader worker's: its own error is the last line
+        return lines[-1].split(": ", 1)[-1]
     return lines[0] if lines else type(exc).__name__
 
 

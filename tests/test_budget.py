@@ -60,11 +60,11 @@ def test_the_sources_are_measured():
     assert not benchmarks & names and not any(n.startswith("tests/") for n in names)
 
 
-def test_source_is_at_most_4650_lines():
-    """A ratchet on the count (about 4,600 lines with every capability); the aim of 3,900 waits on a
-    decision about which capabilities the template drops."""
+def test_source_is_at_most_4950_lines():
+    """A ratchet on the count (about 4,600 lines with every capability, plus at most 300 for the
+    shards); the aim of 3,900 waits on a decision about which capabilities the template drops."""
     sizes = {p.relative_to(ROOT).as_posix(): lines(p) for p in source_files()}
-    assert sum(sizes.values()) <= 4650, sorted(sizes.items(), key=lambda kv: -kv[1])
+    assert sum(sizes.values()) <= 4950, sorted(sizes.items(), key=lambda kv: -kv[1])
 
 
 def test_no_file_over_450_lines():

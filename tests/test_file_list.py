@@ -22,7 +22,7 @@ import pytest
 import image_folder
 from conftest import flags, read_metrics
 from demo_data import make_demo_data
-from image_folder import SCAN_FILE, FolderScan, scan_image_folder, split_train_val, write_scan_files
+from image_folder import SCAN_FILE, FolderScan, scan_image_folder, split_train_val
 
 # The folders were written long ago: their times are trusted (see image_folder._times).
 SETTLED = "import time, image_folder\nimage_folder.time_ns = lambda: time.time_ns() + 10**10\n"
@@ -43,7 +43,7 @@ def data_tree(root: Path, per_class: int) -> Path:
 
 def stored(out: Path, root: Path, verify: bool = False) -> FolderScan:
     scan = scan_image_folder(root, verify=verify, reuse=out)
-    write_scan_files(out, scan)
+    scan.write_files(out)
     return scan
 
 

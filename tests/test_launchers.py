@@ -335,6 +335,6 @@ def test_num_classes_that_disagree_with_the_folders_stop_the_spawn_launcher(tiny
     res = plain(["--world-size", "2",
                  *flags(tiny_data, tmp_path / "out", "--epochs", "1", "--num-classes", "7")],
                 patch=SPAWNED, timeout=120)
-    line = assert_user_error(res, "--num-classes 7, but", str(tiny_data), "5 class folders")
+    line = assert_user_error(res, "--num-classes 7, but", str(tiny_data), "5 classes")
     assert line.startswith("error: ")  # rank 0's line only; the launcher adds none
     assert not (tmp_path / "out" / "checkpoint.pth").exists()

@@ -21,8 +21,7 @@ from conftest import (LAUNCH, ROOT, STOPPER, assert_same_tensors, flags, load_ck
                       ranks)
 from predict import format_prediction, load_predictor, predict
 from multi_train_utils.data import EpochProgress
-from image_folder import (SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val,
-                          write_scan_files)
+from image_folder import (SCAN_FILE, STOPPED_SCAN_FILE, scan_image_folder, split_train_val)
 
 # Each ResumableSampler.__iter__: its epoch and the paths it dealt, per rank.
 RECORD = """
@@ -94,7 +93,7 @@ def test_a_second_stop_in_that_epoch_still_finds_the_list_it_began_with(tiny_dat
     shutil.copytree(tiny_data, data)
     out.mkdir()
     old = scan_image_folder(data, verify=False)
-    write_scan_files(out, old)
+    old.write_files(out)
     shutil.copy(data / "daisy" / "0000.jpg", data / "daisy" / "new.jpg")
     (data / "roses" / "0000.jpg").unlink()
     new = scan_image_folder(data, verify=False, reuse=out)
@@ -107,7 +106,7 @@ def test_a_second_stop_in_that_epoch_still_finds_the_list_it_began_with(tiny_dat
         assert progress.file_list == old.digest and len(progress.indices) == len(before)
         assert [train[i] if i >= 0 else None for i in progress.indices.tolist()] == [
             None if p.endswith("roses/0000.jpg") else p for p in before]
-        write_scan_files(out, new)  # as the rerun does: file_list.json is the new list
+        new.write_files(out)  # as the rerun does: file_list.json is the new list
         assert (out / STOPPED_SCAN_FILE).is_file() and (out / SCAN_FILE).is_file()
     progress = EpochProgress()  # the epoch ended: the new list from then on
     new.resume_epoch(progress, {**ckpt, "in_epoch": None}, out, train)
