@@ -86,6 +86,7 @@ TOOLS: dict[str, tuple[str, Callable[[], set[str]]]] = {
     "training": (r"train_multi_gpu_using_(launch|spawn)\.py|train\.sbatch",
                  _module_parser("train_multi_gpu_using_launch")),  # one parser for both
     "predict": (r"predict\.py", _module_parser("predict")),
+    "make shards": (r"make_shards\.py", _module_parser("make_shards")),
     "plot": (r"plot_results\.py", _module_parser("plot_results")),
     "benchmark": (BENCHMARK[0], _module_parser(BENCHMARK[1])),
     "example": (r"example_own_project\.py", _module_parser("example_own_project")),
