@@ -14,6 +14,7 @@ import tempfile
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from http.client import HTTPException
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from run_log import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-# Shards a loader worker keeps open. A shuffle over all samples opens every shard in turn, and
-# one opened again is indexed again (10 ms per 1,000 samples): keep a set's shards below this.
-OPEN_SHARDS = 200  # where wids warns that file descriptors may run out
+# Shards a loader worker keeps open (a file descriptor each). A shuffle over all samples opens
+# every shard in turn, and one opened again is indexed again: keep a set's shards below this.
+OPEN_SHARDS = 200
 HTTP_TIMEOUT_S = 60
 
 
@@ -138,14 +139,14 @@ class ShardSet(MyDataSet):
         return {**vars(self), "_reader": None}  # open files stay with their process
 
     def _load_or_replace(self, index: int) -> tuple[Any, int]:
-        from wids.wids import LRUShards  # an extra (requirements.txt) that only shards need
+        from wids.wids import IndexedTarSamples  # an extra (requirements.txt) for shards only
 
         at = int(np.searchsorted(self.starts, index, side="right")) - 1
         shard, i, sample = self.index.shards[at], index - int(self.starts[at]), None
-        if self._reader is None:
-            self._reader = LRUShards(OPEN_SHARDS, localname=str)  # fetch gives local files
+        if self._reader is None:  # the least recently read is closed (by the garbage collector)
+            self._reader = lru_cache(OPEN_SHARDS)(lambda path: IndexedTarSamples(path=path))
         try:
-            samples = self._reader.get_shard(fetch(shard, self.cache_dir))
+            samples = self._reader(fetch(shard, self.cache_dir))
             if i >= len(samples):  # a tar cut short: fewer samples than its index says
                 raise IndexError(f"{len(samples)} samples, its index says {shard['nsamples']}")
             sample = samples[i]
