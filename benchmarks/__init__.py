@@ -12,7 +12,10 @@ One module per stage, each measuring one claim against its baseline in the same 
   alone and the compute alone, so the table says which of the two limits training;
 - ``decode``: ``--decode workers`` against ``--decode device`` (issue 37): each decoder per
   worker and batched on the device, decode and augment, training with data under each, and the
-  compute alone.
+  compute alone;
+- ``shards`` (when named): the loader's img/s over an image folder, over the tar shards
+  ``make_shards.py`` makes of it, and over those shards from a local HTTP server (nginx, else
+  Python's http.server), on 2 CPU processes.
 
 Shared by the stages: ``common`` (timing, model set-up as the training script does it),
 ``photos`` (the test JPEGs) and ``report`` (host, versions, commit, table rows, chart).

@@ -6,6 +6,8 @@
     python -m benchmarks --model resnet18 --img-size 32 --pipeline-images 16 --steps 3  # smoke
     python -m benchmarks --stages startup --model resnet18 --img-size 32 --repeats 3
         # time to the first step on 10k to 1.28M hard-linked files (minutes; --startup-files)
+    python -m benchmarks --stages shards      # an image folder against its shards, local and
+        # over HTTP (nginx where installed, else Python's http.server)
 
 What each stage measures is in the package's docstring (``benchmarks/__init__.py``) and in its
 own module.
@@ -29,7 +31,7 @@ from multi_train_utils.distributed_utils import COMM_HOOKS
 from multi_train_utils.guard import UserError
 from run_log import write_json_atomic
 
-from . import decode, fsdp, loop, pipeline, preemption, scaling, startup, with_data
+from . import decode, fsdp, loop, pipeline, preemption, scaling, shards, startup, with_data
 from .photos import default_image_dir
 from .report import header_lines, host_info, load_average, versions, write_chart
 
@@ -37,8 +39,10 @@ log = logging.getLogger("benchmarks")
 
 # Run in this order; a stage may read the parts of the report the stages before it wrote.
 STAGES = {"pipeline": pipeline, "loop": loop, "scaling": scaling, "with_data": with_data,
-          "preemption": preemption, "decode": decode, "fsdp": fsdp, "startup": startup}
-# Run by default; fsdp and startup take minutes (startup, a million hard links): when named.
+          "preemption": preemption, "decode": decode, "fsdp": fsdp, "startup": startup,
+          "shards": shards}
+# Run by default; fsdp and startup take minutes (startup, a million hard links), shards needs
+# wids and a server: when named.
 DEFAULT_STAGES = ["pipeline", "loop", "scaling", "with_data", "preemption", "decode"]
 
 
@@ -67,7 +71,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
                         ("warmup-steps", args.warmup_steps),
                         ("grad-accum-steps", args.grad_accum_steps),
                         ("img-size", args.img_size), ("pipeline-size", args.pipeline_size),
-                        ("epoch-images", args.epoch_images), ("num-classes", args.num_classes)):
+                        ("epoch-images", args.epoch_images), ("num-classes", args.num_classes),
+                        ("shard-size", args.shard_size)):
         if value < 1:
             sys.exit(f"error: --{flag} must be at least 1, not {value}.")
     if "fsdp" in args.stages and use_cuda:
@@ -78,8 +83,14 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             args.stages[:args.stages.index("with_data")]):
         sys.exit("error: --stages with_data compares with the pipeline and loop stages: put "
                  "them before it.")
+    if "shards" in args.stages and args.shard_images < 4 * args.batch_size:
+        sys.exit("error: --shard-images must be at least 4 x --batch-size: each of the 2 ranks "
+                 "reads at least a full batch of the training 80%.")
     if args.start_method == "forkserver":  # the ranks' imports, once, in the server
-        multiprocessing.set_forkserver_preload(["benchmarks.scaling", "benchmarks.preemption"])
+        preload = ["benchmarks.scaling", "benchmarks.preemption"]
+        if "shards" in args.stages:  # its ranks import torchvision: only when it runs
+            preload.append("benchmarks.shards")
+        multiprocessing.set_forkserver_preload(preload)
     if args.workers is not None and args.workers < 0:
         sys.exit(f"error: --workers must be 0 or more, not {args.workers}.")
     try:
@@ -129,7 +140,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter, add_help=add_help)
     parser.add_argument("--stages", nargs="+", default=DEFAULT_STAGES, choices=list(STAGES),
                         help="which stages to run, in this order (with_data reads pipeline's "
-                             "and loop's figures; fsdp and startup run only when named)")
+                             "and loop's figures; fsdp, startup and shards run only when named)")
     parser.add_argument("--fsdp-models", nargs="+", default=["resnet50", "resnext101_32x8d"],
                         choices=sorted(MODELS), help="the fsdp stage's models (2 CPU ranks)")
     parser.add_argument("--model", default="resnet34", choices=sorted(MODELS), help="architecture")
@@ -183,6 +194,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                              "SyncBN and with the other comm hooks; time the all-reduce alone")
     parser.add_argument("--startup-files", type=int, nargs="+", default=list(startup.FILES),
                         help="folder sizes the startup stage times (hard links, made and deleted)")
+    parser.add_argument("--shard-images", type=int, default=1000,
+                        help="demo images (64 px, 5 classes) the shards stage writes as a folder "
+                             "and as shards")
+    parser.add_argument("--shard-size", type=int, default=50,
+                        help="images per shard in the shards stage (make_shards --shard-size)")
     parser.add_argument("--start-method", default="spawn", choices=["spawn", "forkserver"],
                         help="how ranks start (forkserver: torch imported once, for smoke runs)")
     parser.add_argument("--seed", type=int, default=0,

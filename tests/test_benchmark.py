@@ -306,11 +306,47 @@ def test_startup_stage_links_a_tree_and_reports_each_count(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
 
 
+TINY_SHARDS = ["--device", "cpu", "--stages", "shards", "--shard-images", "40", "--shard-size", "8",
+               "--batch-size", "2", "--img-size", "32", "--repeats", "2",
+               "--start-method", "forkserver"]
+
+
+def test_shards_stage_reads_the_same_images_three_ways(tmp_path, plain):
+    """The folder, its shards on disk and over HTTP (the tests' server: nginx where installed),
+    each way's img/s in a fresh loader's two epochs and its ratio to the folder's. The stage
+    itself fails unless the three read the same samples (their labels, summed per epoch)."""
+    from benchmarks.shards import EPOCHS, WAYS
+    from http_server import nginx_binary
+
+    out = tmp_path / "out"
+    proc = plain([*TINY_SHARDS, "--output-dir", str(out)], patch=AS_BENCHMARKS, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "benchmark.json").read_text())["shards"]
+    assert s["server"] == ("nginx" if nginx_binary() else "http.server")
+    assert 30 <= s["images"] <= 35  # 8 a class, one or two of them held out for validation
+    assert s["shards"] == -(-s["images"] // 8) and s["processes"] == 2
+    assert s["epoch_images"] == 2 * (-(-s["images"] // 2) // 2 * 2)  # 2 ranks, full batches
+    for way in WAYS:
+        for epoch in EPOCHS:
+            runs = s["runs_img_per_s"][way][epoch]
+            assert len(runs) == 2 and all(map(_positive, runs))
+            assert s["img_per_s"][way][epoch] == pytest.approx(statistics.median(runs))
+            if way != "folder":
+                ratios = [x / f for x, f in zip(runs, s["runs_img_per_s"]["folder"][epoch])]
+                assert s["paired_ratios"][way][epoch] == pytest.approx(ratios)
+                assert s["ratio"][way][epoch] == pytest.approx(statistics.median(ratios))
+    for heading in ("Shards: img/s reading the same", "local shards / folder",
+                    f"shards over HTTP ({s['server']}), empty cache at start",
+                    f"{s['ratio']['local']['next']:.3f}"):
+        assert heading in proc.stdout, heading
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--steps", "0", "--steps must be at least 1, not 0."),
     ("--workers", "-1", "--workers must be 0 or more, not -1."),
     ("--warmup-steps", "0", "--warmup-steps must be at least 1, not 0."),
     ("--grad-accum-steps", "0", "--grad-accum-steps must be at least 1, not 0."),
+    ("--shard-size", "0", "--shard-size must be at least 1, not 0."),
 ])
 def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
     from benchmarks.__main__ import get_args_parser, main
@@ -321,6 +357,17 @@ def test_bad_size_is_one_clear_error(tmp_path, flag, value, message):
             ["--device", "cpu", flag, value, "--output-dir", str(out)]))
     assert exc.value.code == f"error: {message}"  # sys.exit(text): printed, exit status 1
     assert not out.exists()
+
+
+def test_shards_stage_needs_a_full_batch_on_each_rank(tmp_path):
+    from benchmarks.__main__ import get_args_parser, main
+
+    with pytest.raises(SystemExit) as exc:
+        main(get_args_parser().parse_args(["--device", "cpu", "--stages", "shards",
+                                           "--shard-images", "30", "--batch-size", "8",
+                                           "--output-dir", str(tmp_path / "out")]))
+    assert exc.value.code.startswith("error: --shard-images must be at least 4 x --batch-size")
+    assert not (tmp_path / "out").exists()
 
 
 def test_bad_size_from_the_command_line_is_one_line_and_exit_1(tmp_path, plain):
