@@ -15,7 +15,6 @@ import contextlib
 import http.client
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -88,13 +87,13 @@ def _answers(port: int) -> bool:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (nginx: fast shutdown, its worker too), then SIGKILL to the group it leads."""
+    """SIGTERM (nginx: a fast shutdown, its worker first), then SIGKILL."""
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the worker goes with it
+            proc.kill()
             proc.wait()
 
 
@@ -102,8 +101,9 @@ def _start(command: list[str], port: int, log: Path) -> subprocess.Popen | None:
     """``command`` running and answering on ``port``; None when it exited because the port was
     taken after ``find_free_port`` released it; a ``RuntimeError`` with its log otherwise."""
     with open(log, "wb") as out:  # a fresh log each try; nginx appends its errors to it
+        # In this process's group: what stops the group (Ctrl-C, timeout) stops the server too.
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _answers(port) or proc.poll() is not None:
         exited = proc.poll() is not None
