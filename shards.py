@@ -144,9 +144,10 @@ class ShardSet(MyDataSet):
         at = int(np.searchsorted(self.starts, index, side="right")) - 1
         shard, i, sample = self.index.shards[at], index - int(self.starts[at]), None
         if self._reader is None:  # the least recently read is closed (by the garbage collector)
-            self._reader = lru_cache(OPEN_SHARDS)(lambda path: IndexedTarSamples(path=path))
+            self._reader = lru_cache(OPEN_SHARDS)(lambda at: IndexedTarSamples(
+                path=fetch(self.index.shards[at], self.cache_dir)))
         try:
-            samples = self._reader(fetch(shard, self.cache_dir))
+            samples = self._reader(at)
             if i >= len(samples):  # a tar cut short: fewer samples than its index says
                 raise IndexError(f"{len(samples)} samples, its index says {shard['nsamples']}")
             sample = samples[i]
