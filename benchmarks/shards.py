@@ -14,8 +14,7 @@ A fresh loader each time, timed over two epochs: the first (its workers start; t
 opened, or downloaded) and the next (steady state; HTTP reads its cache). The order of the three
 alternates in each repeat. The images are the demo flowers (``demo_data``: JPEGs of 64 px, a few
 KB): decoding them is cheap, so what a reader costs per sample shows most. The shards are small
-too (``--shard-size``, 50 by default): more training shards than the 10 a wids reader keeps open
-by default, as any real data set has, and a shard's opening weighs more than on big shards.
+too (``--shard-size``, 50 by default): a shard's opening weighs more than on big ones.
 Every file is in the page cache (just written): this measures the readers, not a disk or a
 network. Each epoch's labels are summed on every rank, and must agree: the three read the same
 samples.
