@@ -15,12 +15,15 @@ import io
 import json
 import pickle
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import webdataset
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -79,6 +82,25 @@ def test_class_sorted_shards_give_mixed_batches(shard_dir):
     batches = list(loader)
     assert len(batches) == len(dataset) // 8
     assert all(len(set(labels)) >= 3 for labels in batches), batches
+
+
+def test_shards_shard_writer_wrote_train_as_they_are_with_widsindex_s_index(tmp_path):
+    """A user's own WebDataset shards (jpg, jpeg and png keys, an integer cls) and the index
+    ``widsindex create`` writes, which names no classes: --num-classes does."""
+    images = [Image.new("RGB", (8, 8), (40 * k, 0, 0)) for k in range(5)]
+    with webdataset.ShardWriter(str(tmp_path / "own-%02d.tar"), maxcount=2) as sink:
+        for k, (image, ext) in enumerate(zip(images, ["jpg", "jpeg", "png", "jpg", "png"])):
+            sink.write({"__key__": f"img{k}", ext: image, "cls": k % 3})
+    res = subprocess.run([str(Path(sys.executable).parent / "widsindex"), "create", "-o",
+                          "index.json", *sorted(p.name for p in tmp_path.glob("own-*.tar"))],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    index, train_set, _ = open_shards(str(tmp_path / "index.json"), str(tmp_path / "index.json"),
+                                      {"train": None, "val": None}, seed=0, skip_log=None,
+                                      cache_dir=None, num_classes=3)
+    assert index.classes == ["0", "1", "2"]
+    assert [train_set[i][1] for i in range(len(train_set))] == [0, 1, 2, 0, 1]
+    assert train_set[2][0][:, 0, 0].tolist() == [80, 0, 0]  # the png, decoded
 
 
 def test_start_up_reads_the_index_alone(tmp_path):
