@@ -37,7 +37,7 @@ from augment import get_transforms
 from image_folder import DataError
 from multi_train_utils.data import ResumableSampler
 from multi_train_utils.train_eval_utils import IGNORE_INDEX
-from shards import ShardSet, open_shards, read_index
+from shards import ShardSet, fetch, open_shards, read_index
 
 SERVER = "nginx" if nginx_binary() else "http.server"
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]  # tiny_data
@@ -144,6 +144,20 @@ def test_damaged_samples_and_shards_are_listed_once_and_ignored(tmp_path):
     assert "label 7, not one of 2 classes" in skip_log.read_text()
     clone = pickle.loads(pickle.dumps(dataset))  # a loader worker started by spawn
     assert clone[0][1] == 1 and clone._reader is not dataset._reader
+
+
+def test_a_download_short_of_the_index_s_size_is_an_error_and_not_kept(shard_dir, tmp_path):
+    """A download cut short (here: an index that expects more bytes) is never read as the shard,
+    and a shard made again (another size in its index) is fetched again, not read from the cache."""
+    shard = json.loads((shard_dir / "train.json").read_text())["shardlist"][0]
+    with serve(shard_dir) as (url, _):
+        listed = {**shard, "url": f"{url}/{shard['url']}"}
+        local = fetch(listed, str(tmp_path))
+        assert Path(local).read_bytes() == (shard_dir / shard["url"]).read_bytes()
+        with pytest.raises(OSError, match=rf"could not be downloaded \({shard['filesize']} "
+                                          rf"bytes, its index says {shard['filesize'] + 512}\)"):
+            fetch({**listed, "filesize": shard["filesize"] + 512}, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("*.tar")) == [Path(local).name]
 
 
 @pytest.mark.parametrize("text, needle", [
