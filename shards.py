@@ -4,6 +4,7 @@ sampler, the exact resume and the equal steps are the folder's own."""
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import hashlib
 import json
@@ -15,12 +16,11 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlparse
-
-import numpy as np
 
 from image_folder import IMG_EXTENSIONS, DataError
 from my_dataset import (MyDataSet, _machine_error, load_image_tensor, load_pil_image,
@@ -129,21 +129,20 @@ class ShardSet(MyDataSet):
         super().__init__([], [], transform, seed=seed, skip_log=skip_log)
         self.index = index
         self.cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "shard-cache")
-        self.starts = np.cumsum([0] + [shard["nsamples"] for shard in index.shards])
+        self.starts = list(accumulate((shard["nsamples"] for shard in index.shards), initial=0))
         self._reader, self._listed = None, set()  # this process's open shards, listed names
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return self.starts[-1]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "_reader": None}  # open files stay with their process
 
     def _load_or_replace(self, index: int) -> tuple[Any, int]:
-        from wids.wids import IndexedTarSamples  # an extra (requirements.txt) for shards only
-
-        at = int(np.searchsorted(self.starts, index, side="right")) - 1
-        shard, i, sample = self.index.shards[at], index - int(self.starts[at]), None
+        at = bisect.bisect_right(self.starts, index) - 1
+        shard, i, sample = self.index.shards[at], index - self.starts[at], None
         if self._reader is None:  # the least recently read is closed (by the garbage collector)
+            from wids.wids import IndexedTarSamples  # an extra (requirements.txt): shards only
             self._reader = lru_cache(OPEN_SHARDS)(lambda at: IndexedTarSamples(
                 path=fetch(self.index.shards[at], self.cache_dir)))
         try:
